@@ -1,0 +1,58 @@
+# Build llama.cpp's shared libraries from DFLASH_LLAMA_SRC with the options exactness needs.
+#
+# exact: GGML_LLAMAFILE=OFF (tinyBLAS serves only widths >= 2, so q1 and bands would run different
+#        kernels) and GGML_CPU_REPACK=OFF (repacked Q4_0/IQ4_NL use a 4-column GEMM for some widths).
+#        The runner also turns flash attention and extra buffer types off at run time.
+# stock: llama.cpp's defaults, kept for comparison (`dflash prefill --lib stock`).
+include(ExternalProject)
+
+if(NOT EXISTS "${DFLASH_LLAMA_SRC}/CMakeLists.txt")
+  message(FATAL_ERROR "DFLASH_LLAMA_SRC='${DFLASH_LLAMA_SRC}' is not a llama.cpp source tree")
+endif()
+if(NOT DFLASH_LLAMA_FLAVOR MATCHES "^(exact|stock)$")
+  message(FATAL_ERROR "DFLASH_LLAMA_FLAVOR must be 'exact' or 'stock', got '${DFLASH_LLAMA_FLAVOR}'")
+endif()
+
+set(_llama_args
+  -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_INSTALL_PREFIX=${DFLASH_LLAMA_PREFIX}
+  -DCMAKE_INSTALL_LIBDIR=lib
+  -DBUILD_SHARED_LIBS=ON
+  -DLLAMA_BUILD_TESTS=OFF
+  -DLLAMA_BUILD_TOOLS=OFF
+  -DLLAMA_BUILD_EXAMPLES=OFF
+  -DLLAMA_BUILD_SERVER=OFF
+  -DLLAMA_BUILD_APP=OFF
+  -DLLAMA_BUILD_COMMON=OFF
+  -DLLAMA_BUILD_UI=OFF
+  -DLLAMA_USE_PREBUILT_UI=OFF
+  -DLLAMA_BUILD_MTMD=OFF
+  -DLLAMA_CURL=OFF
+  -DLLAMA_OPENSSL=OFF
+  -DGGML_NATIVE=ON
+)
+if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
+  list(APPEND _llama_args -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF)
+endif()
+
+set(_llama_patch "")
+if(DFLASH_GPU STREQUAL "hip")
+  # ROCm's clang must be the HIP compiler; CMAKE_HIP_PLATFORM=amd keeps nvcc on PATH from winning.
+  # GPU_TARGETS is a list: pass it with '|' as the separator ExternalProject turns back into ';'.
+  string(REPLACE ";" "|" _gpu_targets "${GPU_TARGETS}")
+  list(APPEND _llama_args -DGGML_HIP=ON "-DGPU_TARGETS=${_gpu_targets}" -DCMAKE_HIP_PLATFORM=amd)
+  if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
+    set(_llama_patch ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR>
+        -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
+        -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
+  endif()
+endif()
+
+ExternalProject_Add(llama_cpp
+  SOURCE_DIR ${DFLASH_LLAMA_SRC}
+  LIST_SEPARATOR |
+  CMAKE_ARGS ${_llama_args}
+  PATCH_COMMAND ${_llama_patch}
+  BUILD_ALWAYS OFF
+  INSTALL_DIR ${DFLASH_LLAMA_PREFIX}
+)

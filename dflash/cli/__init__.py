@@ -1,0 +1,66 @@
+"""The `dflash` command group. Domain errors become one-line messages and exit codes here only.
+
+Exit codes: 0 ok, 1 runtime error (or a failed check), 2 usage error, 3 no GPU device.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..errors import DflashError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.version_option(package_name="dflash")
+def cli(debug: bool) -> None:
+    """dflash: exact, faster prefill for llama.cpp models."""
+
+
+def _register() -> None:
+    from . import build_cmd, plan_cmd, prefill_cmd, tiny_cmd
+    for mod in (plan_cmd, prefill_cmd, tiny_cmd, build_cmd):
+        cli.add_command(mod.command)
+    for name in ("bench_cmd", "verify_cmd", "qualify_cmd", "diff_cmd", "matrix_cmd", "devices_cmd"):
+        try:
+            mod = __import__(f"{__name__}.{name}", fromlist=["command"])
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            continue
+        for c in getattr(mod, "commands", [mod.command]):
+            cli.add_command(c)
+
+
+_register()
+
+
+def _fail(kind: str, msg: str, code: int) -> None:
+    click.echo(f"dflash: {kind}: {msg}".splitlines()[0], err=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+    try:
+        rv = cli.main(args=args, prog_name="dflash", standalone_mode=False)
+    except click.exceptions.Abort:
+        _fail("error", "aborted", 130)
+    except KeyboardInterrupt:
+        _fail("error", "interrupted", 130)
+    except click.UsageError as e:
+        _fail("usage error", e.format_message(), 2)
+    except click.ClickException as e:
+        _fail("error", e.format_message(), e.exit_code)
+    except DflashError as e:
+        if debug:
+            raise
+        _fail("usage error" if e.exit_code == 2 else "error", str(e), e.exit_code)
+    except Exception as e:  # an unforeseen failure still gets one line unless --debug
+        if debug:
+            raise
+        _fail("internal error", f"{type(e).__name__}: {e} (rerun with --debug for a traceback)", 1)
+    sys.exit(rv if isinstance(rv, int) else 0)

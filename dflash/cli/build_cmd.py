@@ -1,0 +1,23 @@
+"""`dflash build`: build (or locate) the cached llama.cpp libraries."""
+from __future__ import annotations
+
+import click
+
+from .. import build
+from . import output
+
+
+@click.command("build")
+@click.option("--lib", "libs", type=click.Choice(build.FLAVORS), multiple=True,
+              help="Flavor(s) to build [default: exact and stock].")
+@click.option("--json", "as_json", is_flag=True)
+def command(libs, as_json):
+    """Build the exact and stock llama.cpp libraries (cached, keyed by their inputs)."""
+    done = {}
+    for flavor in libs or build.FLAVORS:
+        done[flavor] = str(build.build_library(flavor, log=output.note))
+    if as_json:
+        output.emit_json(done)
+    else:
+        for flavor, d in done.items():
+            output.out.print(f"{flavor}: {d}", highlight=False)

@@ -1,0 +1,31 @@
+"""Options shared by several commands, and the one place they become Settings."""
+from __future__ import annotations
+
+import click
+
+from .. import settings as S
+from .. import tiny_model
+
+
+def model_option(f):
+    f = click.option("--weights", type=click.Choice(tiny_model.WEIGHTS), default=tiny_model.DEFAULT_WEIGHTS,
+                     show_default=True, help="Weight types of the built-in tiny model (when no --model).")(f)
+    return click.option("--model", "model", type=str, default=None,
+                        help="GGUF model file (default: the built-in tiny DeepSeek-V4 model).")(f)
+
+
+def run_options(f):
+    for opt in reversed([
+        click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4]."),
+        click.option("--bands/--no-bands", default=None,
+                     help=f"Use q2..q4 bands (overrides {S.ENV_BANDS}; default: the env flag, else q1)."),
+        click.option("--threads", type=int, default=None, help="CPU threads [default: min(cores, 8)]."),
+        click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
+                     help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def settings_from(bands, chunk, lib="exact", max_chunk=S.MAX_BAND) -> S.Settings:
+    return S.resolve(bands=bands, chunk=chunk, lib=lib, max_chunk=max_chunk)

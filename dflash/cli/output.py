@@ -1,0 +1,41 @@
+"""Terminal output for commands: JSON for scripts, rich for people, progress on stderr."""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Any, Iterator
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def note(msg: str) -> None:
+    err.print(f"[dim]{msg}[/dim]", highlight=False)
+
+
+def warn(msg: str) -> None:
+    err.print(f"[yellow]warning:[/yellow] {msg}", highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, enabled: bool = True) -> Iterator:
+    """Yields progress(done, total); draws a bar on stderr when it is a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda done, total: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True) as p:
+        task = p.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            p.update(task, completed=done, total=total)
+        yield update

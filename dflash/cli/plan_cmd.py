@@ -1,0 +1,66 @@
+"""`dflash plan`: show the bands for a prompt length and where each downshift comes from."""
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from .. import bands as B
+from .. import gguf_meta
+from ..errors import UsageError
+from . import output
+from .options import settings_from
+
+DS4_RATIOS = "4,128"
+
+
+def parse_ratios(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--ratios {text!r} is malformed (use e.g. 4,128 or none)") from None
+    if any(v < 0 for v in vals):
+        raise UsageError(f"--ratios {text!r} has a negative ratio")
+    return vals
+
+
+def band_dict(b: B.Band) -> dict:
+    return {"start": b.start, "width": b.width, "kernel": b.kernel, "reason": b.reason, "ratio": b.ratio}
+
+
+@click.command("plan")
+@click.option("--n-tokens", type=click.IntRange(min=0), required=True, help="Tokens to prefill.")
+@click.option("--start", type=click.IntRange(min=0), default=0, show_default=True,
+              help="First position (non-zero: a resumed prefill).")
+@click.option("--ratios", default=None, help=f"Compress ratios, e.g. 4,128, or none [default: {DS4_RATIOS}].")
+@click.option("--model", default=None, help="Take the ratios from this GGUF instead.")
+@click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4].")
+@click.option("--bands/--no-bands", default=None, help="Override DFLASH_DS4_EXACT_PREFILL_BANDS.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def command(n_tokens, start, ratios, model, chunk, bands, as_json):
+    """Show the prefill bands for N tokens from a position."""
+    if ratios is not None and model is not None:
+        raise UsageError("give --ratios or --model, not both")
+    s = settings_from(bands, chunk)
+    rs = gguf_meta.read(model).compress_ratios if model else parse_ratios(ratios or DS4_RATIOS)
+    plan = B.plan(n_tokens, start, rs, s.cap, s.bands, s.mmvq_max_ncols)
+    if as_json:
+        output.emit_json({"n_tokens": n_tokens, "start": start, "ratios": list(B.positive_ratios(rs)),
+                          "bands_on": s.bands, "cap": s.cap, "mmvq_max_ncols": s.mmvq_max_ncols,
+                          "widths": B.widths(plan), "bands": [band_dict(b) for b in plan],
+                          "warnings": s.warnings()})
+        return
+    for w in s.warnings():
+        output.warn(w)
+    mode = f"bands on, cap {s.cap}" if s.bands else "bands off (q1)"
+    output.out.print(f"{len(plan)} bands for {n_tokens} tokens from {start}; {mode}; ratios "
+                     f"{','.join(map(str, B.positive_ratios(rs))) or 'none'}; narrow ceiling {s.mmvq_max_ncols}")
+    output.out.print("widths: " + " ".join(map(str, B.widths(plan))), highlight=False)
+    shifts = [b for b in plan if b.reason not in (B.FULL, B.Q1)]
+    if shifts:
+        t = Table("start", "width", "kernel", "downshift", title="downshifts")
+        for b in shifts:
+            why = f"{b.reason} (ratio {b.ratio})" if b.ratio else b.reason
+            t.add_row(str(b.start), str(b.width), b.kernel, why)
+        output.out.print(t)

@@ -1,0 +1,42 @@
+"""`dflash verify`: check an evidence directory against its manifest, byte for byte."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from .. import evidence
+from ..errors import DflashError, UsageError
+from . import output
+
+
+@click.command("verify")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--manifest-sha256", "expected", default=None, metavar="HEX",
+              help="Also require manifest.json to have this SHA-256 (the one quoted when it was written).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (exit 1 still means a problem).")
+def command(directory: Path, expected: str | None, as_json: bool) -> None:
+    """Verify the evidence directory DIRECTORY: every file's size and SHA-256, no unlisted files,
+    the manifest's own checksum and its hash checks (e.g. identical responses across requests).
+
+    Exit codes: 0 verified; 1 any problem, including a missing DIRECTORY (the first problem is
+    printed as one line naming the file); 2 a malformed --manifest-sha256.
+    """
+    if expected is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", expected.strip()):
+        raise UsageError(f"--manifest-sha256 {expected!r} is not 64 hex digits")
+    report = evidence.verify(directory, expected)
+    if as_json:
+        output.emit_json(report.to_json())
+        if not report.ok:
+            click.get_current_context().exit(1)
+        return
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise DflashError(f"evidence {directory} failed verification: {report.problems[0]}{more}")
+    for line in report.checks:
+        output.out.print(f"[green]ok[/green]  {escape(line)}", highlight=False)
+    output.out.print(f"verified {escape(str(directory))}: {report.n_files} files, "
+                     f"{report.n_hash_checks} hash checks, "
+                     f"manifest sha256 {report.manifest_sha256}", highlight=False)

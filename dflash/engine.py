@@ -1,0 +1,127 @@
+"""From settings and a model path to a ready context: library, model, prompt, plan.
+
+This is the layer the commands call: it validates input before anything is allocated in
+llama.cpp and turns every failure into a DflashError with one line of text.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import bands as B
+from . import build, gguf_meta, llama, tiny_model
+from .errors import DflashError, UsageError
+from .settings import Settings
+
+Log = Callable[[str], None]
+
+# A built-in prompt long enough to cross the ratio-4 and ratio-128 boundaries and the tiny
+# model's 64-token sliding window (the test tokenizer makes one token of every 5 characters).
+DEFAULT_PROMPT = " ".join(
+    f"The band scheduler keeps every compressor emission at the end of its band {i}."
+    for i in range(24))
+
+
+def resolve_model(path: str | None, weights: str = tiny_model.DEFAULT_WEIGHTS) -> Path:
+    """The model to run: the given path, or the built-in tiny model (written on first use)."""
+    if path:
+        return Path(path)
+    return tiny_model.ensure(tiny_model.TinyConfig(weights=weights))
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        p = Path(prompt_file)
+        if not p.is_file():
+            raise UsageError(f"prompt file not found: {prompt_file}")
+        try:
+            prompt = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e}") from None
+    if prompt is None:
+        prompt = DEFAULT_PROMPT
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    return prompt
+
+
+def library_dir(settings: Settings, log: Log = lambda s: None) -> Path:
+    """The llama.cpp library folder for the settings, built on first use."""
+    if settings.lib_dir:
+        d = Path(settings.lib_dir)
+        if not (d / "libllama.so").is_file():
+            raise DflashError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
+        return d
+    return build.build_library(settings.lib, log=log)
+
+
+@dataclass
+class Engine:
+    settings: Settings
+    info: gguf_meta.ModelInfo
+    model: llama.Model
+    lib_dir: Path
+    threads: int
+
+    @property
+    def exact(self) -> bool:
+        return self.settings.lib == "exact"
+
+    def tokenize(self, prompt: str) -> list[int]:
+        tokens = self.model.tokenize(prompt)
+        if not tokens:
+            raise UsageError("the prompt has no tokens")
+        return tokens
+
+    def context_size(self, n_tokens: int, n_predict: int, ctx: int | None) -> int:
+        """The context for a request; a prompt that does not fit is an error here, before
+        llama.cpp allocates anything for it."""
+        limit = self.model.n_ctx_train or self.info.context_length or 0
+        need = n_tokens + n_predict
+        if ctx is not None:
+            if ctx < 1:
+                raise UsageError(f"--ctx {ctx} must be >= 1")
+            if need > ctx:
+                raise UsageError(f"prompt ({n_tokens} tokens) plus --n-predict {n_predict} does not "
+                                 f"fit in --ctx {ctx}")
+            return ctx
+        if limit and need > limit:
+            raise UsageError(f"prompt ({n_tokens} tokens) plus --n-predict {n_predict} exceeds the "
+                             f"model's context length {limit}")
+        return need
+
+    def context(self, n_ctx: int, max_band: int, eval_callback=None) -> llama.Context:
+        return llama.Context(self.model, n_ctx, self.threads, flash_attn=False if self.exact else None,
+                             max_band=max_band, eval_callback=eval_callback)
+
+    def plan(self, n_tokens: int, start: int = 0, cap: int | None = None,
+             bands_on: bool | None = None) -> list[B.Band]:
+        s = self.settings
+        return B.plan(n_tokens, start, self.info.compress_ratios, cap if cap is not None else s.cap,
+                      s.bands if bands_on is None else bands_on, s.mmvq_max_ncols)
+
+    def request_bands(self, n_tokens: int, resume_at: int = 0, **kw) -> list[B.Band]:
+        """Bands for a prompt, optionally as a first part [0, resume_at) and a resumed second part
+        planned from the unaligned start."""
+        if not 0 <= resume_at < n_tokens:
+            raise UsageError(f"--resume-at {resume_at} must be in 0..{n_tokens - 1}")
+        if resume_at == 0:
+            return self.plan(n_tokens, 0, **kw)
+        return self.plan(resume_at, 0, **kw) + self.plan(n_tokens - resume_at, resume_at, **kw)
+
+
+def open_engine(settings: Settings, model_path: str | None = None, *, threads: int | None = None,
+                weights: str = tiny_model.DEFAULT_WEIGHTS, log: Log = lambda s: None) -> Engine:
+    path = resolve_model(model_path, weights)
+    info = gguf_meta.read(path)  # validates the file before llama.cpp sees it
+    lib_dir = library_dir(settings, log)
+    llama.load_library(lib_dir)
+    threads = threads or min(os.cpu_count() or 1, 8)
+    if threads < 1:
+        raise UsageError(f"--threads {threads} must be >= 1")
+    model = llama.Model(path, exact=settings.lib == "exact")
+    return Engine(settings, info, model, lib_dir, threads)

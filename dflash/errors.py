@@ -1,0 +1,27 @@
+"""Domain errors. The CLI turns them into one-line messages and exit codes at its edge."""
+
+
+class DflashError(Exception):
+    """A runtime failure the user can act on (exit code 1)."""
+
+    exit_code = 1
+
+
+class UsageError(DflashError):
+    """Bad input: a flag, an environment value or an argument (exit code 2)."""
+
+    exit_code = 2
+
+
+class ModelError(DflashError):
+    """The model file is missing, unreadable or not a usable GGUF."""
+
+
+class LlamaError(DflashError):
+    """llama.cpp refused or failed: load, context creation, decode."""
+
+
+class NoDeviceError(DflashError):
+    """No GPU runtime or device is present (exit code 3)."""
+
+    exit_code = 3

@@ -1,0 +1,426 @@
+"""Evidence directories: the sealed record of a run, written atomically and verified byte for byte.
+
+A directory holds data files (at most one level of subfolders) and `manifest.json`:
+
+    {"schema": "dflash.evidence", "schema_version": 1, "kind": "bench", "created_utc": "...Z",
+     "files": {"requests.json": {"sha256": "<hex>", "bytes": 1234}, ...},
+     "hash_checks": [{"file": "requests.json", "pointer": "requests",
+                      "field": "response_sha256", "expect": "identical"}],
+     "self_sha256": "<hex>"}
+
+`self_sha256` is the SHA-256 of the canonical JSON (sorted keys, no spaces) of the manifest
+without that key. The file itself is `render_manifest()` of that object, byte for byte, so the
+reader can insist on exactly what the writer wrote. "The manifest SHA-256" shown to people is
+the SHA-256 of manifest.json's bytes.
+
+One writer (EvidenceWriter) and one reader (read_manifest); verify() builds on the reader.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import posixpath
+import re
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .errors import DflashError
+
+SCHEMA = "dflash.evidence"
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+EXPECTS = ("identical",)
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+_KEYS = {"schema", "schema_version", "kind", "created_utc", "files", "hash_checks", "self_sha256"}
+_CHECK_KEYS = {"file", "pointer", "field", "expect"}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_KIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class EvidenceError(DflashError, ValueError):
+    """An evidence directory or manifest is missing, malformed or does not match its content."""
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def canonical_sha256(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def render_manifest(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def _rel_problem(rel) -> str | None:
+    if not isinstance(rel, str) or not rel:
+        return "must be a non-empty string"
+    if ("\\" in rel or "\x00" in rel or rel.startswith("/") or posixpath.normpath(rel) != rel
+            or any(p in ("", ".", "..") for p in rel.split("/"))):
+        return "must be relative and normalized, without '..'"
+    if rel.count("/") > 1:
+        return "is nested too deep (one subfolder at most)"
+    return "is reserved for the manifest" if rel == MANIFEST else None
+
+
+def check_rel(rel: str) -> str:
+    """A data file's path inside the directory: relative, normalized, at most one subfolder."""
+    problem = _rel_problem(rel)
+    if problem:
+        raise ValueError(f"evidence path {rel!r} {problem}")
+    return rel
+
+
+def _load_json(raw: bytes):
+    """Strict JSON: UTF-8, no NaN or Infinity; ValueError otherwise."""
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise EvidenceError(msg)
+
+
+def _is_kind(kind) -> bool:
+    return isinstance(kind, str) and _KIND.fullmatch(kind) is not None
+
+
+def _is_time(text) -> bool:
+    try:
+        return isinstance(text, str) and datetime.strptime(text, TIME_FORMAT) is not None
+    except ValueError:
+        return False
+
+
+def _parse_manifest(raw: bytes) -> dict:
+    """Strict reader; raises EvidenceError saying what is wrong (the caller says where)."""
+    try:
+        m = _load_json(raw)
+    except ValueError as e:
+        raise EvidenceError(str(e)) from None
+    _need(isinstance(m, dict), "not a JSON object")
+    _need(m.get("schema") == SCHEMA, f"schema is {m.get('schema')!r}, expected {SCHEMA!r}")
+    v = m.get("schema_version")
+    _need(type(v) is int and v == SCHEMA_VERSION, f"schema_version is {v!r}, this dflash reads {SCHEMA_VERSION}")
+    _need(set(m) == _KEYS, f"keys missing {sorted(_KEYS - set(m))} or unknown {sorted(set(m) - _KEYS)}")
+    _need(_is_kind(m["kind"]), f"kind {m['kind']!r} is not a plain name")
+    _need(_is_time(m["created_utc"]), f"created_utc {m['created_utc']!r} is not {TIME_FORMAT}")
+    _need(isinstance(m["files"], dict), "files is not an object")
+    for rel, e in m["files"].items():
+        _need(_rel_problem(rel) is None, f"files: path {rel!r} {_rel_problem(rel)}")
+        _need(isinstance(e, dict) and set(e) == {"sha256", "bytes"} and isinstance(e["sha256"], str)
+              and _HEX64.fullmatch(e["sha256"]) is not None and type(e["bytes"]) is int and e["bytes"] >= 0,
+              f"files[{rel!r}] is not {{\"sha256\": <64 lowercase hex>, \"bytes\": <int >= 0>}}")
+    _need(isinstance(m["hash_checks"], list), "hash_checks is not a list")
+    for i, c in enumerate(m["hash_checks"]):
+        _need(isinstance(c, dict) and set(c) == _CHECK_KEYS and all(isinstance(x, str) for x in c.values()),
+              f"hash_checks[{i}] must have exactly the string keys {sorted(_CHECK_KEYS)}")
+        _need(c["file"] in m["files"] and c["field"] != "" and c["expect"] in EXPECTS,
+              f"hash_checks[{i}] names an unlisted file, an empty field or an unknown expect")
+    body = {k: x for k, x in m.items() if k != "self_sha256"}
+    _need(m["self_sha256"] == canonical_sha256(body),
+          "self_sha256 does not match the manifest's content (edited after sealing)")
+    _need(raw == render_manifest(m), "bytes differ from the canonical rendering (edited after sealing)")
+    return m
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of an evidence directory, checked; EvidenceError names the path otherwise."""
+    path = Path(directory) / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise EvidenceError(f"{path}: not found") from None
+    except OSError as e:
+        raise EvidenceError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return _parse_manifest(raw)
+    except EvidenceError as e:
+        raise EvidenceError(f"{path}: {e}") from None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class EvidenceWriter:
+    """Write files into a hidden sibling temp dir; commit() seals them and renames it into place.
+
+    Leaving the `with` block without commit() (an exception, Ctrl-C) removes the temp dir, so
+    an evidence directory either exists complete or not at all.
+    """
+
+    def __init__(self, final_dir: str | os.PathLike, kind: str):
+        if not _is_kind(kind):
+            raise ValueError(f"evidence kind {kind!r} is not a plain name")
+        self.final_dir = Path(final_dir).absolute()
+        self.kind = kind
+        if os.path.lexists(self.final_dir):
+            raise EvidenceError(f"evidence directory already exists: {self.final_dir}")
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir = self.final_dir.parent / f".tmp-{self.final_dir.name}-{secrets.token_hex(4)}"
+        self.tmp_dir.mkdir()
+        self._files: dict[str, dict] = {}
+        self._checks: list[dict] = []
+        self._state = "open"  # -> "committed" | "aborted"
+
+    def __enter__(self) -> "EvidenceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._state == "open":
+            self.abort()
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"evidence writer for {self.final_dir} is already {self._state}")
+
+    def write_bytes(self, rel: str, data: bytes) -> Path:
+        self._require_open()
+        check_rel(rel)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"evidence file {rel!r}: data is {type(data).__name__}, not bytes")
+        top = rel.split("/")[0]
+        if rel in self._files or top in self._files or any(f.startswith(rel + "/") for f in self._files):
+            raise ValueError(f"evidence path {rel!r} was already written or clashes with one that was")
+        path = self.tmp_dir / rel
+        path.parent.mkdir(exist_ok=True)
+        try:
+            _write_synced(path, data)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        self._files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        return path
+
+    def write_text(self, rel: str, text: str) -> Path:
+        return self.write_bytes(rel, text.encode("utf-8"))
+
+    def write_json(self, rel: str, obj) -> Path:
+        return self.write_text(rel, json.dumps(obj, indent=2, allow_nan=False) + "\n")
+
+    def add_hash_check(self, file: str, pointer: str, field: str, expect: str = "identical") -> None:
+        """At verify time, every item of the list at `pointer` in `file` must carry the same `field`."""
+        self._require_open()
+        check_rel(file)
+        if not isinstance(pointer, str) or not isinstance(field, str) or not field:
+            raise ValueError("hash check pointer must be a string and field a non-empty string")
+        if expect not in EXPECTS:
+            raise ValueError(f"hash check expect {expect!r} is not one of {EXPECTS}")
+        self._checks.append({"file": file, "pointer": pointer, "field": field, "expect": expect})
+
+    def commit(self) -> tuple[Path, str]:
+        """Write manifest.json last, fsync, rename into place; returns (final_dir, manifest sha256)."""
+        self._require_open()
+        for c in self._checks:
+            if c["file"] not in self._files:
+                raise ValueError(f"hash check names {c['file']!r}, which was not written")
+        body = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "kind": self.kind,
+                "created_utc": datetime.now(timezone.utc).strftime(TIME_FORMAT),
+                "files": dict(sorted(self._files.items())), "hash_checks": list(self._checks)}
+        raw = render_manifest({**body, "self_sha256": canonical_sha256(body)})
+        _write_synced(self.tmp_dir / MANIFEST, raw)
+        for sub in {rel.split("/")[0] for rel in self._files if "/" in rel}:
+            _fsync(self.tmp_dir / sub)
+        _fsync(self.tmp_dir)
+        if os.path.lexists(self.final_dir):  # os.rename would replace an empty directory
+            raise EvidenceError(f"evidence directory appeared while writing: {self.final_dir}")
+        os.rename(self.tmp_dir, self.final_dir)
+        self._state = "committed"
+        _fsync(self.final_dir.parent)
+        return self.final_dir, hashlib.sha256(raw).hexdigest()
+
+    def abort(self) -> None:
+        """Remove the temp dir; nothing is left behind. A no-op after commit() or a first abort()."""
+        if self._state == "open":
+            self._state = "aborted"
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+@dataclass
+class VerifyReport:
+    directory: Path
+    manifest_sha256: str | None = None
+    n_files: int = 0
+    n_hash_checks: int = 0
+    checks: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "problems": list(self.problems), "manifest_sha256": self.manifest_sha256,
+                "n_files": self.n_files, "n_hash_checks": self.n_hash_checks, "checks": list(self.checks)}
+
+
+def _follow(doc, pointer: str):
+    node = doc
+    for key in pointer.split(".") if pointer else []:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            raise KeyError(key)
+    return node
+
+
+def _hash_check(directory: Path, c: dict) -> str | None:
+    """One problem line, or None when every item carries the same non-empty value."""
+    where = f"{c['file']}: {c['pointer'] or '<root>'}"
+    try:
+        doc = _load_json((directory / c["file"]).read_bytes())
+    except (OSError, ValueError) as e:
+        return f"{c['file']}: cannot load for its hash check ({e})"
+    try:
+        items = _follow(doc, c["pointer"])
+    except KeyError as e:
+        return f"{where}: no key {e.args[0]!r} on the path"
+    if not isinstance(items, list):
+        return f"{where}: is {type(items).__name__}, expected a list"
+    if not items:
+        return f"{where}: is an empty list, nothing to compare"
+    values = []
+    for i, item in enumerate(items):
+        v = item.get(c["field"]) if isinstance(item, dict) else None
+        if v in (None, "", [], {}):
+            return f"{where}[{i}]: has no {c['field']}"
+        values.append(v)
+        if v != values[0]:
+            return f"{where}[{i}]: {c['field']} {v!r} differs from [0] {values[0]!r}"
+    return None
+
+
+def _file_problem(d: Path, rel: str, entry: dict) -> str | None:
+    p = d / rel
+    if not os.path.lexists(p):
+        return f"{rel}: listed in the manifest but missing"
+    if p.is_symlink() or p.parent.is_symlink() or not p.is_file():
+        return f"{rel}: not a regular file"
+    try:
+        size, sha = p.stat().st_size, sha256_file(p)
+    except OSError as e:
+        return f"{rel}: cannot read ({e.strerror})"
+    if size != entry["bytes"]:
+        return f"{rel}: {size} bytes, the manifest says {entry['bytes']}"
+    return f"{rel}: SHA-256 differs from the manifest" if sha != entry["sha256"] else None
+
+
+def _unlisted(d: Path, files: dict) -> list[str]:
+    """Every file or folder in d that the manifest does not account for."""
+    subdirs = {rel.split("/")[0] for rel in files if "/" in rel}
+    problems = []
+    for root, dirs, names in os.walk(d):
+        prefix = "" if Path(root) == d else Path(root).relative_to(d).as_posix() + "/"
+        for rel in sorted(prefix + n for n in dirs + names):
+            if rel != MANIFEST and rel not in files and rel not in subdirs:
+                problems.append(f"{rel if rel.isprintable() else repr(rel)}: not listed in the manifest")
+        dirs[:] = sorted(x for x in dirs if prefix + x in subdirs)
+    return problems
+
+
+def verify(directory: str | os.PathLike, expected_manifest_sha256: str | None = None) -> VerifyReport:
+    """Check an evidence directory byte for byte; report.problems[0] is the first thing wrong."""
+    d = Path(directory)
+    r = VerifyReport(directory=d)
+    if not d.is_dir():
+        r.problems.append(f"{d}: {'not a directory' if d.exists() else 'not found'}")
+        return r
+    try:
+        raw = (d / MANIFEST).read_bytes()
+    except OSError as e:
+        r.problems.append(f"{MANIFEST}: {'not found' if isinstance(e, FileNotFoundError) else e.strerror}")
+        return r
+    r.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+    try:
+        m = _parse_manifest(raw)
+    except EvidenceError as e:
+        r.problems.append(f"{MANIFEST}: {e}")
+        return r
+    r.checks.append(f"{MANIFEST}: schema {SCHEMA} v{SCHEMA_VERSION}, kind {m['kind']}, self_sha256 matches")
+    if expected_manifest_sha256 is not None:
+        if r.manifest_sha256 != expected_manifest_sha256.strip().lower():
+            r.problems.append(f"{MANIFEST}: SHA-256 {r.manifest_sha256} is not the expected {expected_manifest_sha256}")
+        else:
+            r.checks.append(f"{MANIFEST}: SHA-256 is the expected one")
+    r.n_files, r.n_hash_checks = len(m["files"]), len(m["hash_checks"])
+    r.problems += [p for rel, entry in m["files"].items() if (p := _file_problem(d, rel, entry))]
+    r.checks.append(f"{r.n_files} files: size and SHA-256")
+    r.problems += _unlisted(d, m["files"])
+    r.checks.append("no unlisted files")
+    for c in m["hash_checks"]:
+        problem = _hash_check(d, c)
+        if problem:
+            r.problems.append(problem)
+        else:
+            r.checks.append(f"{c['file']}: every {c['pointer'] or '<root>'} item has the same {c['field']}")
+    return r
+
+
+def default_dir(root: str | os.PathLike, kind: str) -> Path:
+    """root/<kind>-<UTC YYYYmmdd-HHMMSS>-<4 hex>: a fresh name for EvidenceWriter."""
+    if not _is_kind(kind):
+        raise ValueError(f"evidence kind {kind!r} is not a plain name")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path(root) / f"{kind}-{stamp}-{secrets.token_hex(2)}"
+
+
+def machine_facts() -> dict:
+    """What the numbers were measured on: CPU model, logical cores, platform, Python."""
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                cpu = value.strip()
+                break
+    except OSError:
+        pass
+    return {"cpu_model": cpu or platform.processor() or None, "logical_cores": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def git_revision(repo_root: str | os.PathLike) -> str | None:
+    """HEAD's commit, plus "-dirty" when `git status --porcelain` lists anything; None if unknown."""
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, text=True,
+                               timeout=30, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+        return p.stdout if p.returncode == 0 else None
+
+    head = git("rev-parse", "--verify", "HEAD")
+    if not head or not head.strip():
+        return None
+    status = git("status", "--porcelain")
+    return head.strip() + ("-dirty" if status is None or status.strip() else "")

@@ -1,0 +1,218 @@
+"""The only module that talks to llama.cpp (through llama-cpp-python's low-level ctypes API).
+
+One process loads one llama.cpp library: `llama_cpp` reads LLAMA_CPP_LIB_PATH when it is first
+imported, so `load_library` sets it and imports. Comparing libraries takes two processes.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DflashError, LlamaError
+
+_L = None            # the llama_cpp module once loaded
+_LIB_DIR: Path | None = None
+_LOG: list[str] = []  # recent llama.cpp warnings/errors, for error messages
+_log_cb = None       # keep the ctypes callback alive
+
+
+def load_library(lib_dir: str | os.PathLike):
+    """Import llama_cpp bound to libllama.so in `lib_dir` (once per process)."""
+    global _L, _LIB_DIR, _log_cb
+    lib_dir = Path(lib_dir).resolve()
+    if _L is not None:
+        if lib_dir != _LIB_DIR:
+            raise DflashError(f"this process already loaded llama.cpp from {_LIB_DIR}; "
+                              f"run another process for {lib_dir}")
+        return _L
+    if not (lib_dir / "libllama.so").is_file():
+        raise DflashError(f"no libllama.so in {lib_dir}")
+    if "llama_cpp" in sys.modules:
+        raise DflashError("llama_cpp was imported before dflash chose its library")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    try:
+        _preload_ggml(lib_dir)
+        import llama_cpp as L
+    except (OSError, RuntimeError) as e:
+        raise LlamaError(f"cannot load llama.cpp from {lib_dir}: {e}".splitlines()[0]) from None
+
+    @L.llama_log_callback
+    def _cb(level, text, user):
+        msg = text.decode(errors="replace")
+        if os.environ.get("DFLASH_LLAMA_VERBOSE"):
+            sys.stderr.write(msg)
+        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+            _LOG.append(msg.strip())
+            del _LOG[:-20]
+
+    _log_cb = _cb
+    L.llama_log_set(_log_cb, ctypes.c_void_p())
+    L.llama_backend_init()
+    _L, _LIB_DIR = L, lib_dir
+    return L
+
+
+def _preload_ggml(lib_dir: Path) -> None:
+    """Load libggml-base, the backends, then libggml from `lib_dir` by full path, so libllama's
+    dependencies resolve to these files whatever the install's rpath says."""
+    base = lib_dir / "libggml-base.so"
+    backends = sorted(p for p in lib_dir.glob("libggml-*.so") if p != base)
+    for p in [base, *backends, lib_dir / "libggml.so"]:
+        if p.is_file():
+            ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
+
+
+def library_dir() -> Path | None:
+    return _LIB_DIR
+
+
+def library_files() -> list[Path]:
+    """The shared libraries of the loaded llama.cpp (libllama and its ggml siblings)."""
+    if _LIB_DIR is None:
+        return []
+    return sorted(p for p in _LIB_DIR.iterdir() if p.name.startswith(("libllama", "libggml"))
+                  and ".so" in p.name and p.is_file() and not p.is_symlink())
+
+
+def _lib():
+    if _L is None:
+        raise DflashError("llama.cpp library not loaded (call load_library first)")
+    return _L
+
+
+def _last_log() -> str:
+    return _LOG[-1] if _LOG else "no message from llama.cpp"
+
+
+class Model:
+    """A loaded GGUF. `exact` turns off weight repacking (extra buffer types)."""
+
+    def __init__(self, path: str | os.PathLike, *, exact: bool = True, n_gpu_layers: int = 0,
+                 main_gpu: int = 0, tensor_split: list[float] | None = None):
+        L = _lib()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        mp.main_gpu = main_gpu
+        mp.use_extra_bufts = not exact
+        self._split = None
+        if tensor_split:
+            self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)
+            mp.tensor_split = self._split
+            mp.split_mode = L.LLAMA_SPLIT_MODE_LAYER
+        _LOG.clear()
+        self.ptr = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.ptr:
+            raise LlamaError(f"llama.cpp could not load {path}: {_last_log()}")
+        self.path = str(path)
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self.ptr)
+
+    def tokenize(self, text: str) -> list[int]:
+        L = _lib()
+        data = text.encode()
+        cap = len(data) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
+        if n < 0:
+            raise LlamaError("tokenization failed")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        L = _lib()
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:max(n, 0)]
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return b"".join(self.piece(t) for t in tokens)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_lib().llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            _lib().llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Context:
+    """One sequence's context. `decode` runs one llama_decode over one band."""
+
+    def __init__(self, model: Model, n_ctx: int, n_threads: int, *, flash_attn: bool | None = False,
+                 max_band: int = 512, eval_callback=None):
+        L = _lib()
+        self.model = model
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = max(max_band, 1)
+        cp.n_ubatch = max(max_band, 1)
+        cp.n_seq_max = 1
+        cp.n_threads = n_threads
+        cp.n_threads_batch = n_threads
+        cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None  # llama.cpp's default
+                              else L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                              else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.no_perf = True
+        if eval_callback is not None:
+            cp.cb_eval = eval_callback
+            cp.cb_eval_user_data = None
+        _LOG.clear()
+        self.ptr = L.llama_init_from_model(model.ptr, cp)
+        if not self.ptr:
+            raise LlamaError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_log()}")
+        self.n_ctx = L.llama_n_ctx(self.ptr)
+        self.max_band = cp.n_batch
+        self.mem = L.llama_get_memory(self.ptr)
+        self.batch = L.llama_batch_init(self.max_band, 0, 1)
+        self.n_vocab = model.n_vocab
+
+    def clear(self) -> None:
+        """Forget every cached token (cache-cold start for the next request)."""
+        _lib().llama_memory_clear(self.mem, True)
+
+    def decode(self, tokens, pos: int, logits: str = "all") -> np.ndarray | None:
+        """Decode `tokens` at positions pos.. in one llama_decode call.
+
+        logits: "all" returns a (width, n_vocab) float32 copy, "last" a (1, n_vocab) copy,
+        "none" requests no output rows and returns None."""
+        L = _lib()
+        w = len(tokens)
+        if not 1 <= w <= self.max_band:
+            raise LlamaError(f"band width {w} outside 1..{self.max_band}")
+        if pos + w > self.n_ctx:
+            raise LlamaError(f"positions {pos}..{pos + w - 1} exceed the context of {self.n_ctx}")
+        b = self.batch
+        for j, t in enumerate(tokens):
+            b.token[j] = t
+            b.pos[j] = pos + j
+            b.n_seq_id[j] = 1
+            b.seq_id[j][0] = 0
+            b.logits[j] = logits == "all" or (logits == "last" and j == w - 1)
+        b.n_tokens = w
+        rc = L.llama_decode(self.ptr, b)
+        if rc != 0:
+            raise LlamaError(f"llama_decode failed (rc={rc}) at position {pos}, width {w}: {_last_log()}")
+        if logits == "none":
+            return None
+        rows = w if logits == "all" else 1
+        ptr = L.llama_get_logits(self.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            L = _lib()
+            L.llama_batch_free(self.batch)
+            L.llama_free(self.ptr)
+            self.ptr = None

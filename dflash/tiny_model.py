@@ -1,0 +1,212 @@
+"""The built-in tiny DeepSeek-V4 model: deterministic random weights that llama.cpp loads.
+
+The shape satisfies this llama.cpp's deepseek4 loader: ratios only 0/4/128 with a ratio-4
+layer present, 4 hyper-connections, sqrt-softplus gating, one shared KV head, an indexer key
+length that is a multiple of 64 and at least the rope dimensions, and quantized rows that are
+multiples of 32. The "test" tokenizer built into llama.cpp (5-character chunks) is used.
+
+The bytes depend only on the options: the GGUF writer is fed in a fixed order from one seeded
+generator, and the file is written to a temporary name and renamed into place.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ARCH = "deepseek4"
+HC = 4  # hyper-connection count (the loader asserts 4)
+
+# Weight presets: the type of each family of matrices.
+# F32/F16/Q8_0/Q4_0 put every big matrix in that type; "mxfp4" is the shape of official
+# DeepSeek-V4 conversions (Q8_0 dense, MXFP4 routed experts, BF16 embeddings/output/router).
+WEIGHTS = ("mxfp4", "f32", "f16", "q8_0", "q4_0")
+DEFAULT_WEIGHTS = "mxfp4"
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    weights: str = DEFAULT_WEIGHTS
+    seed: int = 1234
+    ratios: tuple[int, ...] = (0, 4, 128, 4, 128)
+    n_vocab: int = 512
+    n_embd: int = 256
+    n_head: int = 4
+    head_dim: int = 128
+    n_rot: int = 64
+    q_lora: int = 128
+    o_groups: int = 2
+    o_lora: int = 64
+    idx_heads: int = 4
+    idx_dim: int = 64
+    top_k: int = 16
+    sliding_window: int = 64
+    n_expert: int = 4
+    n_expert_used: int = 2
+    n_ff_exp: int = 128
+    n_shared: int = 1
+    hash_layers: int = 1
+    n_ctx_train: int = 4096
+
+    def __post_init__(self):
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"unknown weights {self.weights!r} (use one of {', '.join(WEIGHTS)})")
+        if any(r not in (0, 4, 128) for r in self.ratios) or 4 not in self.ratios:
+            raise ValueError("ratios must be 0/4/128 with at least one ratio-4 layer")
+
+    @property
+    def file_name(self) -> str:
+        return f"tiny-ds4-{self.weights}-s{self.seed}.gguf"
+
+
+def _types(weights: str):
+    from gguf import GGMLQuantizationType as QT
+    if weights == "mxfp4":
+        return {"dense": QT.Q8_0, "exps": QT.MXFP4, "embd": QT.BF16, "out": QT.BF16, "router": QT.BF16}
+    one = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}[weights]
+    router = QT.F16 if one not in (QT.F32, QT.F16) else one
+    return {"dense": one, "exps": one, "embd": one, "out": one, "router": router}
+
+
+def write(path: str | os.PathLike, cfg: TinyConfig = TinyConfig()) -> Path:
+    """Write the model to `path` atomically; returns the path."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=path.parent)
+    os.close(fd)
+    try:
+        _write(gguf, QT, tmp, cfg)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _write(gguf, QT, out: str, c: TinyConfig) -> None:
+    rng = np.random.default_rng(c.seed)
+    types = _types(c.weights)
+    n_layer = len(c.ratios)
+    hc_dim, hc_mix = HC * c.n_embd, (2 + HC) * HC
+    w = gguf.GGUFWriter(out, ARCH)
+    k = lambda s: f"{ARCH}.{s}"
+
+    w.add_name("dflash-tiny-deepseek4")
+    for key, val in [("context_length", c.n_ctx_train), ("embedding_length", c.n_embd),
+                     ("embedding_length_out", c.n_embd * HC), ("block_count", n_layer),
+                     ("feed_forward_length", c.n_ff_exp), ("expert_feed_forward_length", c.n_ff_exp),
+                     ("expert_count", c.n_expert), ("expert_used_count", c.n_expert_used),
+                     ("expert_shared_count", c.n_shared), ("expert_gating_func", 4),
+                     ("hash_layer_count", c.hash_layers), ("attention.head_count", c.n_head),
+                     ("attention.head_count_kv", 1), ("attention.key_length", c.head_dim),
+                     ("attention.value_length", c.head_dim), ("attention.q_lora_rank", c.q_lora),
+                     ("attention.sliding_window", c.sliding_window),
+                     ("attention.output_group_count", c.o_groups),
+                     ("attention.output_lora_rank", c.o_lora),
+                     ("attention.indexer.head_count", c.idx_heads),
+                     ("attention.indexer.key_length", c.idx_dim),
+                     ("attention.indexer.top_k", c.top_k), ("rope.dimension_count", c.n_rot),
+                     ("hyper_connection.count", HC), ("hyper_connection.sinkhorn_iterations", 20)]:
+        w.add_uint32(k(key), val)
+    for key, val in [("expert_weights_scale", 1.5), ("attention.layer_norm_rms_epsilon", 1e-6),
+                     ("attention.compress_rope_freq_base", 160000.0), ("rope.freq_base", 10000.0),
+                     ("hyper_connection.epsilon", 1e-6)]:
+        w.add_float32(k(key), val)
+    w.add_bool(k("expert_weights_norm"), True)
+    w.add_array(k("swiglu_clamp_exp"), [10.0] * n_layer)
+    w.add_array(k("swiglu_clamp_shexp"), [10.0] * n_layer)
+    w.add_key_value(k("attention.compress_ratios"), list(c.ratios), gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.UINT32)
+    w.add_tokenizer_model("test")
+    w.add_token_list([f"tok_{i}" for i in range(c.n_vocab)])
+    w.add_token_scores([0.0] * c.n_vocab)
+
+    def add(name, shape, qtype, std=None, norm=False, values=None):
+        if values is None:
+            if norm:
+                values = 1.0 + 0.1 * rng.standard_normal(shape)
+            else:
+                values = (std if std is not None else 1.0 / np.sqrt(shape[-1])) * rng.standard_normal(shape)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if qtype not in (QT.F32, QT.F16, QT.BF16) and shape[-1] % 32:
+            qtype = QT.F16
+        if qtype == QT.F32:
+            w.add_tensor(name, values)
+        elif qtype == QT.F16:
+            w.add_tensor(name, values.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(values, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+    f32 = QT.F32
+    add("token_embd.weight", (c.n_vocab, c.n_embd), types["embd"], std=1.0)
+    add("output_norm.weight", (c.n_embd,), f32, norm=True)
+    add("output.weight", (c.n_vocab, c.n_embd), types["out"])
+    add("output_hc_fn.weight", (HC, hc_dim), f32, std=0.05)
+    add("output_hc_base.weight", (HC,), f32, std=0.5)
+    add("output_hc_scale.weight", (1,), f32, values=np.array([0.5]))
+    dense, exps = types["dense"], types["exps"]
+    for i, r in enumerate(c.ratios):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (c.n_embd,), f32, norm=True)
+        add(b + "attn_sinks.weight", (c.n_head,), f32, std=0.5)
+        add(b + "attn_q_a.weight", (c.q_lora, c.n_embd), dense)
+        add(b + "attn_q_a_norm.weight", (c.q_lora,), f32, norm=True)
+        add(b + "attn_q_b.weight", (c.n_head * c.head_dim, c.q_lora), dense)
+        add(b + "attn_kv.weight", (c.head_dim, c.n_embd), dense)
+        add(b + "attn_kv_a_norm.weight", (c.head_dim,), f32, norm=True)
+        add(b + "attn_output_a.weight", (c.o_lora * c.o_groups, c.n_head * c.head_dim // c.o_groups), dense)
+        add(b + "attn_output_b.weight", (c.n_embd, c.o_groups * c.o_lora), dense)
+        for pre in ("hc_attn_", "hc_ffn_"):
+            add(b + pre + "fn.weight", (hc_mix, hc_dim), f32, std=0.05)
+            add(b + pre + "base.weight", (hc_mix,), f32, std=0.5)
+            add(b + pre + "scale.weight", (3,), f32, values=np.array([0.5, 0.5, 0.5]))
+        if r:
+            coff = 2 if r == 4 else 1
+            add(b + "attn_compressor_kv.weight", (coff * c.head_dim, c.n_embd), dense)
+            add(b + "attn_compressor_gate.weight", (coff * c.head_dim, c.n_embd), dense)
+            add(b + "attn_compressor_ape.weight", (r, coff * c.head_dim), f32, std=0.5)
+            add(b + "attn_compressor_norm.weight", (c.head_dim,), f32, norm=True)
+        if r == 4:
+            add(b + "indexer.proj.weight", (c.idx_heads, c.n_embd), dense)
+            add(b + "indexer.attn_q_b.weight", (c.idx_heads * c.idx_dim, c.q_lora), dense)
+            add(b + "indexer_compressor_kv.weight", (2 * c.idx_dim, c.n_embd), dense)
+            add(b + "indexer_compressor_gate.weight", (2 * c.idx_dim, c.n_embd), dense)
+            add(b + "indexer_compressor_ape.weight", (4, 2 * c.idx_dim), f32, std=0.5)
+            add(b + "indexer_compressor_norm.weight", (c.idx_dim,), f32, norm=True)
+        add(b + "ffn_gate_inp.weight", (c.n_expert, c.n_embd), types["router"])
+        if i < c.hash_layers:
+            tid2eid = np.stack([rng.permutation(c.n_expert)[:c.n_expert_used] for _ in range(c.n_vocab)])
+            w.add_tensor(b + "ffn_gate_tid2eid.weight", tid2eid.astype(np.int32))
+        else:
+            add(b + "exp_probs_b.bias", (c.n_expert,), f32, std=0.05)
+        add(b + "ffn_norm.weight", (c.n_embd,), f32, norm=True)
+        add(b + "ffn_gate_exps.weight", (c.n_expert, c.n_ff_exp, c.n_embd), exps)
+        add(b + "ffn_up_exps.weight", (c.n_expert, c.n_ff_exp, c.n_embd), exps)
+        add(b + "ffn_down_exps.weight", (c.n_expert, c.n_embd, c.n_ff_exp), exps)
+        add(b + "ffn_gate_shexp.weight", (c.n_ff_exp * c.n_shared, c.n_embd), dense)
+        add(b + "ffn_up_shexp.weight", (c.n_ff_exp * c.n_shared, c.n_embd), dense)
+        add(b + "ffn_down_shexp.weight", (c.n_embd, c.n_ff_exp * c.n_shared), dense)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def default_path(cfg: TinyConfig = TinyConfig()) -> Path:
+    from .build import cache_root
+    return cache_root() / "models" / cfg.file_name
+
+
+def ensure(cfg: TinyConfig = TinyConfig()) -> Path:
+    """The tiny model in the user cache, written on first use and reused after."""
+    p = default_path(cfg)
+    if not p.is_file():
+        write(p, cfg)
+    return p

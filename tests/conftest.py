@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny models (written once per session) and a CLI runner in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """weights -> path of the tiny DeepSeek-V4 model with that preset."""
+    d = tmp_path_factory.mktemp("models")
+    return {w: tiny_model.write(d / f"{w}.gguf", tiny_model.TinyConfig(weights=w)) for w in tiny_model.WEIGHTS}
+
+
+def run_dflash(*args, env=None, check=False):
+    """Run `python -m dflash` in a fresh process (one llama.cpp library per process)."""
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("DFLASH_DS4_EXACT_PREFILL_BANDS", "LUCE_MMVQ_MAX_NCOLS", "LLAMA_CPP_LIB_PATH")}
+    full_env.update(env or {})
+    r = subprocess.run([sys.executable, "-m", "dflash", *map(str, args)], capture_output=True,
+                       text=True, env=full_env, cwd=ROOT, timeout=900)
+    if check and r.returncode != 0:
+        raise AssertionError(f"dflash {' '.join(map(str, args))} failed rc={r.returncode}: {r.stderr}")
+    return r
+
+
+def run_json(*args, env=None):
+    r = run_dflash(*args, "--json", env=env, check=True)
+    return json.loads(r.stdout)

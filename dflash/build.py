@@ -133,6 +133,9 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
     dest = install_dir(flavor, gpu)
     work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-", dir=cache_root()))
     staging = work / "install"
+    if gpu != "none":
+        # the HIP build patches its source: give it a private copy, never the shared tree
+        src = Path(shutil.copytree(src, work / "llama.cpp", symlinks=True))
     configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"),
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",

@@ -216,3 +216,78 @@ class Context:
             L.llama_batch_free(self.batch)
             L.llama_free(self.ptr)
             self.ptr = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph tap: observe node outputs through llama.cpp's cb_eval (ggml_backend_sched_eval_callback)
+
+_GGML_MAX_DIMS, _GGML_MAX_SRC, _GGML_MAX_NAME, _GGML_MAX_OP_PARAMS = 4, 10, 64, 64
+_NP_TYPES = {0: np.float32, 26: np.int32}  # GGML_TYPE_F32, GGML_TYPE_I32
+
+
+class _GgmlTensor(ctypes.Structure):
+    """The head of struct ggml_tensor (ggml.h at the pinned commit) up to its name."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (_GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * _GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * _GGML_MAX_NAME),
+    ]
+
+
+def _ggml_base():
+    lib = ctypes.CDLL(str(_LIB_DIR / "libggml-base.so"))
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
+    lib.ggml_op_desc.restype = ctypes.c_char_p
+    return lib
+
+
+class GraphTap:
+    """Copies the outputs of graph nodes whose name passes `want(name)` (F32 and I32 only).
+
+    Pass `tap.callback` as a Context's eval_callback; after each decode, `take()` returns the
+    list of (name, op, ne, array) in graph order, arrays shaped like numpy views of the tensor
+    (ne reversed: outermost first)."""
+
+    def __init__(self, want):
+        L = _lib()
+        self._want = want
+        self._base = _ggml_base()
+        self._nodes: list[tuple[str, str, tuple[int, ...], np.ndarray]] = []
+
+        @L.ggml_backend_sched_eval_callback
+        def cb(t_ptr, ask, user):
+            t = ctypes.cast(t_ptr, ctypes.POINTER(_GgmlTensor)).contents
+            dtype = _NP_TYPES.get(t.type)
+            name = t.name.decode(errors="replace")
+            if ask:
+                return dtype is not None and bool(self._want(name))
+            if dtype is None:
+                return True
+            n = self._base.ggml_nbytes(t_ptr)
+            raw = np.empty(n, dtype=np.uint8)
+            self._base.ggml_backend_tensor_get(t_ptr, raw.ctypes.data, 0, n)
+            ne, nb = tuple(t.ne), tuple(t.nb)
+            item = np.dtype(dtype).itemsize
+            arr = np.lib.stride_tricks.as_strided(
+                raw.view(dtype) if n % item == 0 else raw[: n - n % item].view(dtype),
+                shape=ne[::-1], strides=nb[::-1]).copy()
+            self._nodes.append((name, self._base.ggml_op_desc(t_ptr).decode(), ne, arr))
+            return True
+
+        self.callback = cb
+
+    def take(self) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+        nodes, self._nodes = self._nodes, []
+        return nodes

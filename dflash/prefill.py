@@ -63,8 +63,11 @@ class Result:
         return self.n_prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
 
-def run(ctx, req: Request, progress: Progress = _noop) -> Result:
-    """One cache-cold request: clear, prefill band by band, then greedy-decode n_predict tokens."""
+def run(ctx, req: Request, progress: Progress = _noop,
+        on_band: Callable[[Band], None] | None = None) -> Result:
+    """One cache-cold request: clear, prefill band by band, then greedy-decode n_predict tokens.
+
+    `on_band(band)` runs after each band's llama_decode (e.g. to collect a graph tap)."""
     ctx.clear()
     n = len(req.tokens)
     h = hashlib.sha256()
@@ -80,6 +83,8 @@ def run(ctx, req: Request, progress: Progress = _noop) -> Result:
                 if kept is not None:
                     kept[b.start:b.end] = out
             last = out[-1]
+        if on_band is not None:
+            on_band(b)
         progress(b.end, n)
     prefill_s = time.perf_counter() - t0
     if req.logits == "last" and last is not None:

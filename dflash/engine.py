@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import bands as B
-from . import build, gguf_meta, llama, tiny_model
+from . import build, devices, gguf_meta, llama, tiny_model
 from .errors import DflashError, UsageError
 from .settings import Settings
 
@@ -66,6 +66,7 @@ class Engine:
     model: llama.Model
     lib_dir: Path
     threads: int
+    device: str = "cpu"
 
     @property
     def exact(self) -> bool:
@@ -114,14 +115,33 @@ class Engine:
         return self.plan(resume_at, 0, **kw) + self.plan(n_tokens - resume_at, resume_at, **kw)
 
 
+def gpu_placement(device: str) -> dict:
+    """Model placement for --device: cpu; hip:N (all layers on N); hip:N,hip:M (layer split)."""
+    ids = devices.parse_device(device)
+    if not ids:
+        return {}
+    devices.require_hip(ids)  # exit 3 with the reason when the runtime or a device is missing
+    if not llama.supports_gpu():
+        raise DflashError(f"the loaded llama.cpp library has no GPU backend: build it with "
+                          f"-DDFLASH_GPU=hip (see hip_kernels/README.md) and set DFLASH_LLAMA_LIB_DIR")
+    if len(ids) == 1:
+        return {"n_gpu_layers": 999, "main_gpu": ids[0]}
+    split = [0.0] * (max(ids) + 1)
+    for i in ids:
+        split[i] = 1.0
+    return {"n_gpu_layers": 999, "main_gpu": ids[0], "tensor_split": split}
+
+
 def open_engine(settings: Settings, model_path: str | None = None, *, threads: int | None = None,
-                weights: str = tiny_model.DEFAULT_WEIGHTS, log: Log = lambda s: None) -> Engine:
+                weights: str = tiny_model.DEFAULT_WEIGHTS, device: str = "cpu",
+                log: Log = lambda s: None) -> Engine:
     path = resolve_model(model_path, weights)
     info = gguf_meta.read(path)  # validates the file before llama.cpp sees it
+    devices.parse_device(device)  # a malformed --device is a usage error before any work
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads {threads} must be >= 1")
     lib_dir = library_dir(settings, log)
     llama.load_library(lib_dir)
-    threads = threads or min(os.cpu_count() or 1, 8)
-    if threads < 1:
-        raise UsageError(f"--threads {threads} must be >= 1")
-    model = llama.Model(path, exact=settings.lib == "exact")
-    return Engine(settings, info, model, lib_dir, threads)
+    placement = gpu_placement(device)
+    model = llama.Model(path, exact=settings.lib == "exact", **placement)
+    return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device)

@@ -66,6 +66,10 @@ def _preload_ggml(lib_dir: Path) -> None:
             ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
 
 
+def supports_gpu() -> bool:
+    return bool(_lib().llama_supports_gpu_offload())
+
+
 def library_dir() -> Path | None:
     return _LIB_DIR
 
@@ -99,10 +103,12 @@ class Model:
         mp.main_gpu = main_gpu
         mp.use_extra_bufts = not exact
         self._split = None
-        if tensor_split:
+        if tensor_split:  # layers spread over several GPUs in these proportions
             self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)
             mp.tensor_split = self._split
             mp.split_mode = L.LLAMA_SPLIT_MODE_LAYER
+        elif n_gpu_layers:
+            mp.split_mode = L.LLAMA_SPLIT_MODE_NONE  # everything on main_gpu
         _LOG.clear()
         self.ptr = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.ptr:

@@ -30,7 +30,7 @@ def _register() -> None:
             if e.name != f"{__name__}.{name}":
                 raise
             continue
-        for c in getattr(mod, "commands", [mod.command]):
+        for c in (mod.commands if hasattr(mod, "commands") else [mod.command]):
             cli.add_command(c)
 
 

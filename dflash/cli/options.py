@@ -29,3 +29,8 @@ def run_options(f):
 
 def settings_from(bands, chunk, lib="exact", max_chunk=S.MAX_BAND) -> S.Settings:
     return S.resolve(bands=bands, chunk=chunk, lib=lib, max_chunk=max_chunk)
+
+
+def device_option(f):
+    return click.option("--device", default="cpu", show_default=True,
+                        help="cpu, hip:N, or hip:N,hip:M to split layers across two GPUs.")(f)

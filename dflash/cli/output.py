@@ -10,8 +10,9 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
+# Not a terminal (pipes, CI logs): a wide fixed width so tables and hashes are not folded.
+err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 160)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 def emit_json(obj: Any) -> None:

@@ -7,7 +7,7 @@ from .. import engine as E
 from .. import prefill as P
 from ..errors import DflashError
 from . import output
-from .options import model_option, run_options, settings_from
+from .options import device_option, model_option, run_options, settings_from
 
 
 def compress_widths(ws: list[int]) -> str:
@@ -28,7 +28,7 @@ def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
         "model": str(eng.info.path), "architecture": eng.info.architecture,
         "library": {"flavor": s.lib, "dir": str(eng.lib_dir)},
         "bands_on": s.bands, "chunk": s.chunk, "mmvq_max_ncols": s.mmvq_max_ncols,
-        "threads": eng.threads, "n_ctx": n_ctx,
+        "threads": eng.threads, "n_ctx": n_ctx, "device": eng.device,
         "widths": r.widths, "n_prompt_tokens": r.n_prompt_tokens,
         "prefill_seconds": r.prefill_seconds, "prefill_tokens_per_second": r.prefill_tokens_per_second,
         "decode_seconds": r.decode_seconds,
@@ -51,17 +51,18 @@ def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
               help="Plan the prompt as two parts, the second resumed from this unaligned position.")
 @click.option("--logits", "logits_mode", type=click.Choice(["all", "last"]), default="all", show_default=True,
               help="Logits hashed: every prompt position, or the last only.")
+@device_option
 @click.option("--compare-q1", is_flag=True,
               help="Also run the q1 schedule and require identical logits and response hashes (exit 1 if not).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_predict, ctx,
-            resume_at, logits_mode, compare_q1, as_json):
+            resume_at, logits_mode, device, compare_q1, as_json):
     """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints."""
     s = settings_from(bands, chunk, lib)
     text = E.read_prompt(prompt, prompt_file)
     for w in s.warnings():
         output.warn(w)
-    eng = E.open_engine(s, model, threads=threads, weights=weights, log=output.note)
+    eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
     tokens = eng.tokenize(text)
     n_ctx = eng.context_size(len(tokens), n_predict, ctx)
     bands_ = eng.request_bands(len(tokens), resume_at)

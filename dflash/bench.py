@@ -1,0 +1,90 @@
+"""A/B/A qualification of a band schedule against q1, with every request recorded.
+
+Arms: q1 reference A, the candidate band schedule, q1 reference B. Each arm runs `warmup` then
+`runs` cache-cold requests on the same prompt and context, in arm order (A..., C..., B...) or
+interleaved (A C B, A C B, ...). What the timing window holds: the band loop of one request,
+i.e. every llama_decode of the prompt plus copying and hashing its logits; not the memory clear
+before it, nor the response decode after it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+from . import prefill as P
+from . import stats
+from .engine import Engine
+
+Q1_A, CANDIDATE, Q1_B = "q1_a", "candidate", "q1_b"
+ARMS = (Q1_A, CANDIDATE, Q1_B)
+
+
+@dataclass(frozen=True)
+class Sample:
+    arm: str
+    index: int
+    warmup: bool
+    prefill_seconds: float
+    tokens_per_second: float
+    logits_sha256: str
+    response_sha256: str
+    response_tokens_sha256: str
+
+
+def order(warmup: int, runs: int, interleave: bool) -> Iterator[tuple[str, int]]:
+    if interleave:
+        for i in range(warmup + runs):
+            for arm in ARMS:
+                yield arm, i
+    else:
+        for arm in ARMS:
+            for i in range(warmup + runs):
+                yield arm, i
+
+
+def run(eng: Engine, tokens: list[int], *, chunk: int, warmup: int = 2, runs: int = 5,
+        interleave: bool = False, n_predict: int = 8, logits: str = "all",
+        progress: Callable[[int, int], None] = lambda d, t: None) -> tuple[list[Sample], dict]:
+    """Run all requests; returns the samples and the per-arm widths."""
+    schedules = {Q1_A: eng.request_bands(len(tokens), bands_on=False),
+                 CANDIDATE: eng.request_bands(len(tokens), cap=chunk, bands_on=True),
+                 Q1_B: eng.request_bands(len(tokens), bands_on=False)}
+    ctx = eng.context(len(tokens) + n_predict, max(b.width for b in schedules[CANDIDATE]))
+    todo = list(order(warmup, runs, interleave))
+    samples = []
+    try:
+        for k, (arm, i) in enumerate(todo):
+            r = P.run(ctx, P.Request(tokens, schedules[arm], n_predict, logits))
+            samples.append(Sample(arm, i, i < warmup, r.prefill_seconds, r.prefill_tokens_per_second,
+                                  r.logits_sha256, r.response_sha256, r.response_tokens_sha256))
+            progress(k + 1, len(todo))
+    finally:
+        ctx.close()
+    return samples, {arm: [b.width for b in s] for arm, s in schedules.items()}
+
+
+def summarize(samples: list[Sample]) -> dict:
+    measured = {arm: [s.tokens_per_second for s in samples if s.arm == arm and not s.warmup]
+                for arm in ARMS}
+    arms = [{"name": arm, **stats.summarize(measured[arm])} for arm in ARMS]
+    q1_pooled = stats.median(measured[Q1_A] + measured[Q1_B])
+    cand = stats.median(measured[CANDIDATE])
+    first = samples[0]
+    return {
+        "unit": "prefill tokens/s",
+        "arms": arms,
+        "q1_pooled_median": q1_pooled,
+        "gain_percent": stats.gain_percent(cand, q1_pooled),
+        "speedup": cand / q1_pooled,
+        "drift_percent": stats.drift_percent(stats.median(measured[Q1_A]), stats.median(measured[Q1_B])),
+        "response_hashes_identical": all(s.response_sha256 == first.response_sha256 for s in samples),
+        "logits_hashes_identical": all(s.logits_sha256 == first.logits_sha256 for s in samples),
+        "hashes_identical": all((s.response_sha256, s.logits_sha256) ==
+                                (first.response_sha256, first.logits_sha256) for s in samples),
+        "response_sha256": first.response_sha256,
+        "logits_sha256": first.logits_sha256,
+    }
+
+
+def requests_record(samples: list[Sample]) -> dict:
+    return {"requests": [asdict(s) for s in samples]}

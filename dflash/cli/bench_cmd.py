@@ -1,0 +1,91 @@
+"""`dflash bench`: A/B/A benchmark of the band schedule against q1, written as evidence."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .. import bench as Bn
+from .. import engine as E
+from .. import evidence, records
+from ..build import REPO_ROOT
+from ..errors import DflashError, UsageError
+from . import output
+from .options import device_option, model_option, settings_from
+from .. import settings as S
+
+
+def write_evidence(dest: Path, eng, prompt, tokens, samples, widths, summary, options) -> tuple[Path, str]:
+    with evidence.EvidenceWriter(dest, "bench") as w:
+        for name, rec in records.provenance(eng, None, prompt, tokens).items():
+            w.write_json(name, rec)
+        w.write_json("options.json", options)
+        w.write_json("schedules.json", widths)
+        w.write_json("requests.json", Bn.requests_record(samples))
+        w.write_json("summary.json", summary)
+        w.add_hash_check("requests.json", "requests", "response_sha256")
+        w.add_hash_check("requests.json", "requests", "logits_sha256")
+        return w.commit()
+
+
+@click.command("bench")
+@model_option
+@click.option("--prompt", default=None, help="Prompt text [default: the built-in prompt].")
+@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@click.option("--chunk", type=int, default=S.MAX_BAND, show_default=True, help="Candidate's widest band (1..4).")
+@click.option("--threads", type=int, default=None, help="CPU threads [default: min(cores, 8)].")
+@click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Warm-up requests per arm.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Measured requests per arm.")
+@click.option("--interleave", is_flag=True, help="Alternate A, candidate, B per request instead of arm after arm.")
+@click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True)
+@click.option("--logits", "logits_mode", type=click.Choice(["all", "last"]), default="all", show_default=True)
+@device_option
+@click.option("--evidence", "evidence_dir", default=None,
+              help="Evidence directory to create [default: evidence/runs/bench-<time>-<id>].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, runs, interleave,
+            n_predict, logits_mode, device, evidence_dir, as_json):
+    """A/B/A: q1, the band schedule, q1 again; medians, MAD, gain, drift, hash equality.
+
+    Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
+    s = settings_from(True, chunk, lib)  # the candidate arm is a band schedule whatever the env says
+    text = E.read_prompt(prompt, prompt_file)
+    dest = Path(evidence_dir) if evidence_dir else evidence.default_dir(REPO_ROOT / "evidence" / "runs", "bench")
+    if dest.exists():
+        raise UsageError(f"evidence directory already exists: {dest}")
+    eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    tokens = eng.tokenize(text)
+    eng.context_size(len(tokens), n_predict, None)
+    with output.progress_bar("bench") as progress:
+        samples, widths = Bn.run(eng, tokens, chunk=chunk, warmup=warmup, runs=runs, interleave=interleave,
+                                 n_predict=n_predict, logits=logits_mode, progress=progress)
+    summary = Bn.summarize(samples)
+    options = {"chunk": chunk, "warmup": warmup, "runs": runs, "interleave": interleave,
+               "n_predict": n_predict, "logits": logits_mode, "lib": lib, "threads": eng.threads,
+               "n_prompt_tokens": len(tokens), "device": device}
+    path, manifest_sha = write_evidence(dest, eng, text, tokens, samples, widths, summary, options)
+    result = {**summary, "n_prompt_tokens": len(tokens), "threads": eng.threads, "library": lib,
+              "evidence_dir": str(path), "manifest_sha256": manifest_sha}
+    if as_json:
+        output.emit_json(result)
+    else:
+        show(result)
+    if not summary["hashes_identical"]:
+        raise DflashError(f"hashes differ between requests: the candidate is not exact (evidence {path})")
+
+
+def show(r: dict) -> None:
+    t = Table("arm", "median tok/s", "MAD", "n", title=f"A/B/A prefill, {r['n_prompt_tokens']} tokens, "
+              f"{r['threads']} threads, {r['library']} library")
+    for a in r["arms"]:
+        t.add_row(a["name"], f"{a['median']:.1f}", f"{a['mad']:.1f}", str(a["n"]))
+    o = output.out
+    o.print(t)
+    o.print(f"gain vs pooled q1 median: {r['gain_percent']:+.1f}% ({r['speedup']:.2f}x); "
+            f"bracket drift A->B: {r['drift_percent']:+.1f}%")
+    ok = "[green]identical[/green]" if r["hashes_identical"] else "[red]DIFFER[/red]"
+    o.print(f"response and logits SHA-256 across every request: {ok}")
+    o.print(f"evidence {r['evidence_dir']}", highlight=False)
+    o.print(f"manifest sha256 {r['manifest_sha256']}", highlight=False)

@@ -1,0 +1,68 @@
+"""`dflash devices` and `dflash kernels selftest`: what hardware is here, and whether the narrow
+kernels give the host body's bits on it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .. import devices as D
+from .. import kernel_selftest as K
+from ..errors import DflashError, NoDeviceError
+from . import output
+
+
+@click.command("devices")
+@click.option("--json", "as_json", is_flag=True)
+def devices_command(as_json):
+    """List the CPU and every HIP device (name, gfx arch, memory, compute units)."""
+    hip, reason = D.hip_devices()
+    devs = [D.cpu(), *hip]
+    if as_json:
+        output.emit_json({"devices": [d.to_json() for d in devs], "hip_available": bool(hip),
+                          "hip_reason": reason})
+        return
+    t = Table("id", "name", "arch", "memory", "compute units")
+    for d in devs:
+        mem = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "?"
+        t.add_row(d.id, d.name, d.arch, mem, str(d.compute_units))
+    output.out.print(t)
+    if reason:
+        output.out.print(f"HIP: {reason}", highlight=False)
+
+
+@click.group("kernels")
+def kernels_group():
+    """The narrow-MMVQ HIP kernels."""
+
+
+@kernels_group.command("selftest")
+@click.option("--device", default="hip:0", show_default=True, help="HIP device to test.")
+@click.option("--build-dir", type=click.Path(path_type=Path), default=K.DEFAULT_BUILD, show_default=True,
+              help="Where cmake put the code objects and dflash_mmvq_host.")
+@click.option("--json", "as_json", is_flag=True)
+def selftest_command(device, build_dir, as_json):
+    """Run every kernel on the GPU and compare with the host body bit for bit.
+
+    Exit 0 all identical, 1 a difference or failure, 3 no HIP device."""
+    ids = D.parse_device(device)
+    if not ids:
+        raise NoDeviceError("the kernel self-test needs a HIP device (--device hip:N)")
+    dev = D.require_hip(ids[:1])[0]
+    with output.progress_bar("selftest") as progress:
+        rows = K.selftest(dev, ids[0], build_dir, progress)
+    ok = all(r["bit_identical"] for r in rows)
+    if as_json:
+        output.emit_json({"device": dev.to_json(), "results": rows, "ok": ok})
+    else:
+        t = Table("kernel", "bit-identical", "first diff", "max |diff|", title=f"{dev.id} {dev.name} ({dev.arch})")
+        for r in rows:
+            t.add_row(r["kernel"], "yes" if r["bit_identical"] else "[red]no[/red]",
+                      str(r["first_diff"]), f"{r['max_abs_diff']:.3g}")
+        output.out.print(t)
+    if not ok:
+        raise DflashError("some kernels differ from the host body on this device")
+
+
+commands = [devices_command, kernels_group]

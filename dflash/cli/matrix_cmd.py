@@ -1,0 +1,56 @@
+"""`dflash matrix`: one prompt across threads, libraries and devices; a table of hash equality."""
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from .. import matrix as M
+from ..errors import DflashError
+from . import output
+
+
+@click.command("matrix")
+@click.option("--model", default=None, help="GGUF model [default: the built-in tiny model].")
+@click.option("--prompt-file", default=None, help="Prompt file [default: the built-in prompt].")
+@click.option("--chunk", type=int, default=4, show_default=True)
+@click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def command(model, prompt_file, chunk, n_predict, as_json):
+    """Compare q1 and band fingerprints across CPU threads, exact/stock builds and GPUs.
+
+    Exits 1 when any exact-library configuration differs from the reference."""
+    passthrough = ["--chunk", str(chunk), "--n-predict", str(n_predict)]
+    if model:
+        passthrough += ["--model", model]
+    if prompt_file:
+        passthrough += ["--prompt-file", prompt_file]
+    cfgs, skipped = M.configurations()
+    rows = []
+    with output.progress_bar("matrix") as progress:
+        for i, cfg in enumerate(cfgs):
+            rows.append(M.run_config(cfg, passthrough))
+            progress(i + 1, len(cfgs))
+    result = {**M.compare(rows), "skipped": skipped}
+    if as_json:
+        output.emit_json(result)
+    else:
+        show(result)
+    if not result["exact_all_equal"]:
+        raise DflashError("an exact-library configuration differs from the reference")
+
+
+def show(r: dict) -> None:
+    yes = lambda b: "[green]=[/green]" if b else "[red]≠[/red]"
+    t = Table("configuration", "q1 logits", "band logits", "response", "q1 = bands", "= reference",
+              title=f"fingerprints (reference: {r['reference']}, q1)")
+    for d in r["rows"]:
+        if not d["ran"]:
+            t.add_row(d["config"], "[red]failed[/red]", d["error"] or "", "", "", "")
+            continue
+        t.add_row(d["config"], d["q1_logits_sha256"][:12], d["logits_sha256"][:12], d["response_sha256"][:12],
+                  yes(d["q1_equals_bands"]), yes(d["logits_equal_reference"] and d["response_equal_reference"]))
+    output.out.print(t)
+    for s in r["skipped"]:
+        output.out.print(f"skipped {s['config']}: {s['reason']}", highlight=False)
+    output.out.print("exact library: " + ("[green]every configuration equal[/green]" if r["exact_all_equal"]
+                                          else "[red]configurations differ[/red]"))

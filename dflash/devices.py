@@ -25,15 +25,19 @@ class Device:
         return asdict(self)
 
 
-def cpu() -> Device:
-    name = platform.processor() or platform.machine()
+def cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+        for line in open("/proc/cpuinfo", errors="replace"):
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return value.strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def cpu() -> Device:
+    name = cpu_model()
     mem = None
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -122,8 +122,8 @@ def gpu_placement(device: str) -> dict:
         return {}
     devices.require_hip(ids)  # exit 3 with the reason when the runtime or a device is missing
     if not llama.supports_gpu():
-        raise DflashError(f"the loaded llama.cpp library has no GPU backend: build it with "
-                          f"-DDFLASH_GPU=hip (see hip_kernels/README.md) and set DFLASH_LLAMA_LIB_DIR")
+        raise DflashError("the loaded llama.cpp library has no GPU backend: build it with "
+                          "-DDFLASH_GPU=hip (see hip_kernels/README.md) and set DFLASH_LLAMA_LIB_DIR")
     if len(ids) == 1:
         return {"n_gpu_layers": 999, "main_gpu": ids[0]}
     split = [0.0] * (max(ids) + 1)

@@ -20,12 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import posixpath
 import re
 import secrets
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -392,35 +390,3 @@ def default_dir(root: str | os.PathLike, kind: str) -> Path:
         raise ValueError(f"evidence kind {kind!r} is not a plain name")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     return Path(root) / f"{kind}-{stamp}-{secrets.token_hex(2)}"
-
-
-def machine_facts() -> dict:
-    """What the numbers were measured on: CPU model, logical cores, platform, Python."""
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                cpu = value.strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_model": cpu or platform.processor() or None, "logical_cores": os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version()}
-
-
-def git_revision(repo_root: str | os.PathLike) -> str | None:
-    """HEAD's commit, plus "-dirty" when `git status --porcelain` lists anything; None if unknown."""
-    def git(*args: str) -> str | None:
-        try:
-            p = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, text=True,
-                               timeout=30, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.SubprocessError, ValueError):
-            return None
-        return p.stdout if p.returncode == 0 else None
-
-    head = git("rev-parse", "--verify", "HEAD")
-    if not head or not head.strip():
-        return None
-    status = git("status", "--porcelain")
-    return head.strip() + ("-dirty" if status is None or status.strip() else "")

@@ -3,13 +3,39 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import subprocess
 import sys
 
 from . import __version__, build, llama
 from .build import REPO_ROOT
 from .engine import Engine
-from .evidence import git_revision, machine_facts, sha256_file
+from .devices import cpu_model
+from .evidence import sha256_file
 from .settings import ENV_BANDS, ENV_LIB_DIR, ENV_MMVQ
+
+
+def machine_facts() -> dict:
+    """What the numbers were measured on: CPU model, logical cores, platform, Python."""
+    return {"cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def git_revision(repo_root: str | os.PathLike) -> str | None:
+    """HEAD's commit, plus "-dirty" when `git status --porcelain` lists anything; None if unknown."""
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True, text=True,
+                               timeout=30, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+        return p.stdout if p.returncode == 0 else None
+
+    head = git("rev-parse", "--verify", "HEAD")
+    if not head or not head.strip():
+        return None
+    status = git("status", "--porcelain")
+    return head.strip() + ("-dirty" if status is None or status.strip() else "")
 
 
 def library_identity() -> dict:

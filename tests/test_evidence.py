@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from dflash import cli as cli_mod
 from dflash import evidence as ev
+from dflash import records
 from dflash.cli import cli
 from dflash.errors import DflashError
 
@@ -29,7 +30,7 @@ def seal(root: Path, name="bench-1", requests=(SHA_A,) * 4, extra=None) -> tuple
         w.write_json("requests.json", requests_doc(list(requests)))
         w.write_text("notes.txt", "q1 reference A, candidate, q1 reference B\n")
         w.write_bytes("logs/run.log", bytes(range(256)) * 3)
-        w.write_json("machine.json", ev.machine_facts())
+        w.write_json("machine.json", records.machine_facts())
         for rel, text in (extra or {}).items():
             w.write_text(rel, text)
         w.add_hash_check("requests.json", "requests", "response_sha256")
@@ -299,25 +300,25 @@ def test_helpers(tmp_path):
     assert ev.default_dir(tmp_path, "bench").parent == tmp_path
     with pytest.raises(ValueError):
         ev.default_dir(tmp_path, "../x")
-    f = ev.machine_facts()
+    f = records.machine_facts()
     assert set(f) == {"cpu_model", "logical_cores", "platform", "python"} and f["python"].count(".") == 2
     json.dumps(f)
 
 
 def test_git_revision(tmp_path):
-    assert ev.git_revision(tmp_path / "missing") is None
-    assert ev.git_revision(tmp_path) is None  # not a checkout (tmp_path is outside any repo)
+    assert records.git_revision(tmp_path / "missing") is None
+    assert records.git_revision(tmp_path) is None  # not a checkout (tmp_path is outside any repo)
     if not shutil.which("git"):
         pytest.skip("git is not installed")
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run([*git, "init", "-q"], check=True)
-    assert ev.git_revision(tmp_path) is None  # no commit yet
+    assert records.git_revision(tmp_path) is None  # no commit yet
     (tmp_path / "f").write_text("1")
     subprocess.run([*git, "add", "f"], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
-    assert re.fullmatch(r"[0-9a-f]{40}", ev.git_revision(tmp_path))
+    assert re.fullmatch(r"[0-9a-f]{40}", records.git_revision(tmp_path))
     (tmp_path / "f").write_text("2")
-    assert ev.git_revision(tmp_path).endswith("-dirty")
+    assert records.git_revision(tmp_path).endswith("-dirty")
 
 
 # --- CLI -----------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def sdist_path(log: Log = lambda s: None) -> Path:
     log(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} source with pip")
     with tempfile.TemporaryDirectory(dir=d) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--no-build-isolation", "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
+               "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / name
         if not got.is_file():

@@ -1,0 +1,147 @@
+"""`dflash diff`: name the first graph node whose output differs between two prefill schedules."""
+from __future__ import annotations
+
+import re
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from .. import bands as B
+from .. import engine as E
+from .. import llama
+from .. import prefill as P
+from .. import settings as S
+from .. import trace as T
+from ..errors import UsageError
+from . import output
+from .options import model_option
+
+
+def traced_run(eng: E.Engine, tap, tokens: list[int], widths: list[int],
+               progress=lambda done, total: None) -> tuple[P.Result, T.Trace]:
+    """Prefill `tokens` in the given widths (no response), tapping every node of every decode.
+
+    Each schedule gets a fresh context, so cache cells not yet written (masked, but visible in
+    nodes such as kq) hold the same bytes in both runs rather than the previous run's values."""
+    trace = T.new_trace(len(tokens))
+    ctx = eng.context(eng.context_size(len(tokens), 0, None), max(widths), eval_callback=tap.callback)
+    tap.take()
+    r = P.run(ctx, P.Request(tokens, B.from_widths(widths), n_predict=0, keep_logits=True), progress,
+              on_band=lambda b: T.add_decode(trace, tap.take(), b.start, b.width))
+    tap.take()
+    ctx.close()
+    return r, trace
+
+
+def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: P.Result, rb: P.Result,
+                d: T.TraceDiff, show: int) -> dict:
+    first_pos, n_rows, max_d = T.first_differing_row(ra.logits, rb.logits)
+    return {
+        "a": {"schedule": spec_a, "widths": T.summarize_widths(wa), "n_bands": len(wa)},
+        "b": {"schedule": spec_b, "widths": T.summarize_widths(wb), "n_bands": len(wb)},
+        "n_tokens": sum(wa),
+        "logits_identical": first_pos is None, "first_diff_position": first_pos,
+        "n_positions_differing": n_rows, "logits_max_abs_diff": max_d,
+        "nodes_identical": d.identical,
+        "identical": first_pos is None and d.identical,
+        "first_node": d.first.to_json() if d.first else None,
+        "n_compared": d.n_compared,
+        "node_positions_differing": len(d.positions_differing),
+        "differing": [x.to_json() for x in d.differing[:show]],
+        "n_differing_at_first_position": len(d.differing),
+    }
+
+
+@click.command("diff", short_help="Name the first graph node that differs between two prefill schedules.",
+               epilog="SCHEDULE is one of: " + T.SCHEDULE_HELP + ".")
+@model_option
+@click.option("--a", "spec_a", default="q1", show_default=True, metavar="SCHEDULE", help="Reference schedule.")
+@click.option("--b", "spec_b", default="w4", show_default=True, metavar="SCHEDULE", help="Candidate schedule.")
+@click.option("--prompt", default=None, help="Prompt text [default: the built-in prompt].")
+@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@click.option("--n-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Compare the first N prompt tokens (the tokenized prompt is truncated).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: min(cores, 8)].")
+@click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
+              help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")
+@click.option("--show", type=click.IntRange(min=0), default=10, show_default=True,
+              help="List the first N differing nodes at the first differing position.")
+@click.option("--ignore", default=None, metavar="REGEX",
+              help="Do not compare nodes whose name matches this regular expression (re.search).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threads, lib, show, ignore,
+            as_json):
+    """Run two prefill schedules with a tap on every F32/I32 graph node and name the first node
+    (name, op, position, max |delta|) whose output differs, walking positions in order and nodes
+    in graph order. Comparison is bit for bit; max |delta| is a diagnostic.
+
+    A node is compared per position when its outermost non-1 dimension is the band width (or the
+    band is one token) and the token axis is unambiguous; a node that repeats a name in one
+    decode is keyed name#k.
+
+    A node can differ while the logits stay bit-identical: pre-softmax attention scores (kq-*)
+    include masked KV cells, and the DeepSeek-V4 compressor-state gathers hold rows per state
+    slot rather than per position, so both can depend on band alignment without reaching any
+    output. Read such a node with the logits verdict next to it, or skip it with --ignore.
+    Exit code 0 whether or not the schedules differ."""
+    if ignore is not None:
+        try:
+            re.compile(ignore)
+        except re.error as e:
+            raise UsageError(f"--ignore {ignore!r} is not a regular expression: {e}") from None
+    text = E.read_prompt(prompt, prompt_file)
+    s = S.resolve(bands=True, chunk=S.MAX_BAND, lib=lib)
+    eng = E.open_engine(s, model, threads=threads, weights=weights, log=output.note)
+    tokens = eng.tokenize(text)[:n_tokens]
+    wa = T.parse_schedule(spec_a, len(tokens), eng.info.compress_ratios)
+    wb = T.parse_schedule(spec_b, len(tokens), eng.info.compress_ratios)
+    tap = llama.GraphTap(lambda name: True)
+    with output.progress_bar("trace", enabled=not as_json) as bar:
+        ra, ta = traced_run(eng, tap, tokens, wa, lambda d, n: bar(d, 2 * n))
+        rb, tb = traced_run(eng, tap, tokens, wb, lambda d, n: bar(n + d, 2 * n))
+    rep = diff_report(spec_a, spec_b, wa, wb, ra, rb, T.compare(ta, tb, ignore), show)
+    rep.update(model=eng.info.path, library=lib, threads=eng.threads, ignore=ignore)
+    if as_json:
+        output.emit_json(rep)
+    else:
+        _print_human(rep)
+
+
+def _print_human(r: dict) -> None:
+    o = output.out
+    o.print(f"model     {escape(r['model'])}, library {r['library']}, {r['n_tokens']} tokens, "
+            f"{r['threads']} threads", highlight=False)
+    for side in ("a", "b"):
+        x = r[side]
+        o.print(f"{side}         {escape(x['schedule'])}: {x['n_bands']} decodes, widths "
+                f"{escape(x['widths'])}", highlight=False)
+    if r["logits_identical"]:
+        o.print("logits    [green]bit-identical[/green] at every position")
+    else:
+        o.print(f"logits    [red]differ[/red] from position {r['first_diff_position']} "
+                f"({r['n_positions_differing']} positions, max |Δ| {r['logits_max_abs_diff']:.3e})")
+    f = r["first_node"]
+    if f is None:
+        o.print(f"nodes     [green]identical[/green]: no compared node differs "
+                f"({r['n_compared']} node rows compared)")
+        return
+    o.print(f"first differing node  [bold]{escape(f['key'])}[/bold] ({f['op']}) at position "
+            f"{f['position']}: max |Δ| {_num(f['max_abs_delta'])}, {f['n_differing']}/{f['n_values']} "
+            f"values differ; {r['n_compared']} nodes compared at that position, "
+            f"{r['n_differing_at_first_position']} differ", highlight=False)
+    if r["differing"]:
+        t = Table(title=f"first {len(r['differing'])} differing nodes at position {f['position']} (graph order)",
+                  title_justify="left")
+        for c, j in (("node", "left"), ("op", "left"), ("max |Δ|", "right"), ("differ", "right")):
+            t.add_column(c, justify=j)
+        for x in r["differing"]:
+            t.add_row(escape(x["key"]), x["op"], _num(x["max_abs_delta"]), f"{x['n_differing']}/{x['n_values']}")
+        o.print(t)
+    if r["logits_identical"]:
+        o.print("[yellow]note:[/yellow] the logits are bit-identical, so this difference reaches no output "
+                "(masked cache cells or state rows not indexed by position; see --help)")
+
+
+def _num(x) -> str:
+    return f"{x:.3e}" if isinstance(x, float) else str(x)

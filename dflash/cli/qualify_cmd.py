@@ -1,0 +1,138 @@
+"""`dflash qualify`: which band widths are bit-identical to q1 on this model and build."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from .. import engine as E
+from .. import llama
+from .. import qualify as Q
+from .. import records
+from .. import settings as S
+from ..build import REPO_ROOT
+from ..errors import UsageError
+from ..evidence import default_dir
+from . import output
+from .options import device_option, model_option
+
+
+def parse_widths(text: str) -> list[int]:
+    try:
+        ws = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--widths {text!r} is malformed (use e.g. 2,3,4)") from None
+    if not ws or ws[0] < 1 or ws[-1] > 256:
+        raise UsageError(f"--widths {text!r}: widths must be in 1..256")
+    return ws
+
+
+@click.command("qualify", short_help="Which band widths are bit-identical to q1 (per-width verdicts, a "
+                                      "recommended cap, evidence).")
+@model_option
+@click.option("--prompt", default=None, help="Prompt text [default: the built-in prompt, 373 tiny-model tokens].")
+@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@click.option("--widths", default=",".join(map(str, Q.DEFAULT_WIDTHS)), show_default=True,
+              help="Planner caps to qualify, comma-separated (q1 always runs).")
+@click.option("--resume-at", type=click.IntRange(min=1), default=None,
+              help="Resume point of the second part [default: first p > n/3 with p % 4 != 0 and p % 128 != 0].")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: min(cores, 8)].")
+@click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
+              help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")
+@click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Greedy response tokens after each prefill (their SHA-256 must match q1's).")
+@click.option("--evidence", "evidence_dir", type=click.Path(path_type=Path), default=None,
+              help="Evidence directory to write [default: evidence/runs/qualify-<UTC time>-<hex>].")
+@device_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib, n_predict,
+            evidence_dir, device, as_json):
+    """Run q1 once and the band planner at every cap in --widths over a prompt that crosses the
+    compressor boundaries and the sliding window, with a resumed (unaligned) start and a tail; report
+    per width whether the logits of every position are bit-identical to q1's (and the first
+    position that is not), whether the response SHA-256 matches and, for MoE models, whether the
+    routed expert ids and weights of every position and layer match. Then recommend the largest
+    exact cap (at most 4) and the LUCE_MMVQ_MAX_NCOLS value, and write an evidence directory.
+
+    Width 1 is a repeat of q1 (reproducibility). The largest exact cap is the largest w with every
+    cap 1..w run and exact (a cap not run is not vouched for); the recommended cap is that, at
+    most 4. The planner never decodes a band wider than the smallest compress ratio, so on
+    DeepSeek V4 caps above 4 run the same bands as cap 4: the widest band really decoded is
+    reported separately as the largest exact width.
+
+    qualify reports, it is not a gate: it exits 0 when it ran, whether or not every width is
+    exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries."""
+    ws = parse_widths(widths)
+    text = E.read_prompt(prompt, prompt_file)
+    s = S.resolve(bands=True, chunk=S.MAX_BAND, lib=lib)
+    eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    tokens = eng.tokenize(text)
+    target = evidence_dir or default_dir(REPO_ROOT / "evidence" / "runs", "qualify")
+    if target.exists():
+        raise UsageError(f"evidence directory already exists: {target}")
+    tap = llama.GraphTap(lambda name: Q.ROUTING_NODE.fullmatch(name) is not None)
+    with output.progress_bar("qualify", enabled=not as_json) as bar:
+        report, requests = Q.qualify(eng, tap, tokens, ws, resume_at, n_predict, bar)
+    directory, sha = Q.write_evidence(target, records.provenance(eng, None, text, tokens), report, requests)
+    report.update(evidence_dir=str(directory), manifest_sha256=sha)
+    if as_json:
+        output.emit_json(report)
+    else:
+        _print_human(report)
+
+
+def _yes(ok, good="yes", bad="NO") -> str:
+    if ok is None:
+        return "[dim]n/a[/dim]"
+    return f"[green]{good}[/green]" if ok else f"[red]{bad}[/red]"
+
+
+def _print_human(r: dict) -> None:
+    o = output.out
+    o.print(f"model     {escape(r['model'])} ({r['architecture']}), library {r['library']}, "
+            f"{r['threads']} threads", highlight=False)
+    c = r["coverage"]
+    crossed = ", ".join(x["what"] for x in c["crossings"] if x["crossed"]) or "none"
+    o.print(f"prompt    {r['n_tokens']} tokens, resumed at {r['resume_at']} (unaligned); crosses {crossed}; "
+            f"start band in caps {_ws(c['widths_with_start_band'])}, tail band in caps "
+            f"{_ws(c['widths_with_tail_band'])}", highlight=False)
+    ref = r["reference"]
+    o.print(f"q1        logits {ref['logits_sha256'][:16]}…  response {ref['response_sha256'][:16]}…  "
+            f"({r['n_predict']} tokens)", highlight=False)
+    t = Table()
+    for name, j in (("cap", "right"), ("bands", "right"), ("widths used", "left"), ("exact", "left"),
+                    ("logits", "left"), ("first diff", "right"), ("max |Δ|", "right"),
+                    ("response", "left"), ("routing", "left")):
+        t.add_column(name, justify=j)
+    for x in r["results"]:
+        sched = x["schedule"]
+        rd = x["first_routing_diff"]
+        routing = _yes(x["routing_identical"], "same", "DIFFERS")
+        if rd:
+            routing += f" (pos {rd['position']}, layer {rd['layer']} {rd['field'].replace('_', ' ')})"
+        t.add_row(str(x["width"]) + (" (q1)" if x["width"] == 1 else ""), str(sched["n_bands"]),
+                  " ".join(f"{w}x{n}" for w, n in sched["widths"].items()),
+                  _yes(x["exact"]), _yes(x["logits_identical"], "identical", "differ"),
+                  "-" if x["first_diff_position"] is None else str(x["first_diff_position"]),
+                  f"{x['max_abs_diff']:.2e}" if x["max_abs_diff"] is not None else "nan",
+                  _yes(x["response_identical"], "same", "DIFFERS"), routing)
+    o.print(t)
+    short = [x["width"] for x in r["results"] if x["widest_band"] < x["width"]]
+    if short:
+        o.print(f"[dim]caps {_ws(short)} never decode a band wider than "
+                f"{max(x['widest_band'] for x in r['results'])} on this model and prompt: the planner's "
+                f"boundary rule cuts them (they run the same bands as a smaller cap)[/dim]", highlight=False)
+    env = " ".join(f"{k}={v}" for k, v in r["recommended_env"].items())
+    o.print(f"largest exact cap    {r['largest_exact_cap']} (widest band decoded by the exact runs: "
+            f"{r['largest_exact_width']})", highlight=False)
+    rec = f"--chunk {r['recommended_cap']}" if r["recommended_bands"] else "q1 (bands off)"
+    o.print(f"recommended          {rec}  ({env})", highlight=False)
+    if not r["all_exact"]:
+        o.print("[yellow]not every width is exact on this build[/yellow] (qualify reports; exit code 0)")
+    o.print(f"evidence  {escape(r['evidence_dir'])}  manifest sha256 {r['manifest_sha256']}", highlight=False)
+
+
+def _ws(ws: list[int]) -> str:
+    return ",".join(map(str, ws)) or "none"

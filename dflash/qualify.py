@@ -1,0 +1,227 @@
+"""Qualify a model and llama.cpp build for band widths: is each width bit-identical to q1?
+
+For every width w the prompt is prefilled with the band planner at cap w, planned as two parts
+split at a resume point (so the run holds boundary downshifts, an unaligned resumed start and a
+tail), then n_predict tokens are decoded greedily. Each run is compared with one q1 reference:
+  - logits of every prompt position, bit for bit (uint32 views); max |delta| is a diagnostic only,
+  - the SHA-256 of the response text,
+  - for MoE models, the routed expert ids (`ffn_moe_topk-<layer>`) and their final weights
+    (`ffn_moe_weights_scaled-<layer>`) of every prompt position and layer, bit for bit.
+Width 1 is a second q1 run: it shows the reference is reproducible at all.
+
+Default resume point: the first position p > n/3 with p % 4 != 0 and p % 128 != 0, i.e. a
+resumed start that is aligned to neither compressor ratio of DeepSeek V4.
+
+Recommendation: the largest exact cap is the largest w such that every cap 1..w was run and is
+exact (0 when even the q1 repeat differs); a cap that was not run is never vouched for. The
+recommended cap (`--chunk`, and the LUCE_MMVQ_MAX_NCOLS value) is that cap limited to band
+mode's maximum (4), and at least 1 (q1). The largest exact width is the widest band those exact
+runs really decoded: the planner never exceeds the smallest compress ratio (4 on DeepSeek V4),
+so on such a model caps 5..8 run the same bands as cap 4 and the largest exact width stays 4.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import bands as B
+from . import prefill as P
+from . import settings as S
+from . import trace as T
+from .errors import UsageError
+
+DEFAULT_WIDTHS = (2, 3, 4, 5, 6, 7, 8)
+ROUTING_NODE = re.compile(r"ffn_moe_(topk|weights_scaled)-(\d+)")
+ROUTING_FIELD = {"topk": "expert_ids", "weights_scaled": "weights"}
+
+
+def default_resume_point(n_tokens: int) -> int:
+    """The first position p > n/3 with p % 4 != 0 and p % 128 != 0."""
+    p = n_tokens // 3 + 1
+    while p % 4 == 0 or p % 128 == 0:
+        p += 1
+    return p
+
+
+def recommend(exact_by_cap: dict[int, bool], widest_by_cap: dict[int, int] | None = None,
+              max_cap: int = S.MAX_BAND) -> dict:
+    """The recommendation from per-cap verdicts (see the module doc); `widest_by_cap` is the widest
+    band each cap's schedule really decoded (the planner may never reach a large cap)."""
+    largest = 0
+    while exact_by_cap.get(largest + 1) is True:
+        largest += 1
+    widest = max(((widest_by_cap or {}).get(w, w) for w in range(1, largest + 1)), default=0)
+    cap = max(1, min(largest, max_cap))
+    return {"largest_exact_cap": largest, "largest_exact_width": widest, "recommended_cap": cap,
+            "recommended_bands": cap > 1, "recommended_mmvq_max_ncols": cap,
+            "recommended_env": {S.ENV_BANDS: "1" if cap > 1 else "0", S.ENV_MMVQ: str(cap)}}
+
+
+def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, resume_at: int,
+             plans: dict[int, list[B.Band]]) -> dict:
+    """What the prompt and schedules cover; `missing` lists what a qualification needs but lacks."""
+    rs = B.positive_ratios(ratios)
+    # crossed: the prompt holds the first position a boundary changes: r, the first to see a
+    # ratio-r compressed row (emitted at r - 1), and sw, the first whose window drops position 0
+    crossings = [{"what": f"compress ratio {r}", "position": r, "crossed": n_tokens > r} for r in rs]
+    if sliding_window:
+        crossings.append({"what": f"sliding window {sliding_window}", "position": sliding_window,
+                          "crossed": n_tokens > sliding_window})
+    with_reason = {reason: sorted(w for w, plan in plans.items() if any(b.reason == reason for b in plan))
+                   for reason in (B.START, B.TAIL, B.BOUNDARY)}
+    unaligned = 0 < resume_at < n_tokens and all(resume_at % r for r in rs)
+    missing = [f"the prompt ({n_tokens} tokens) does not cross the {c['what']}" for c in crossings
+               if not c["crossed"]]
+    if not unaligned:
+        missing.append(f"resume point {resume_at} is not an unaligned position inside the prompt")
+    if rs and not with_reason[B.START]:
+        missing.append(f"no cap's plan cuts a 'start' band at the resume point {resume_at} (pick "
+                       f"--resume-at nearer below a boundary than the smallest cap, e.g. p % 4 == 3)")
+    if not with_reason[B.TAIL]:
+        missing.append("no cap's plan ends a part with a 'tail' band")
+    return {"n_tokens": n_tokens, "ratios": list(rs), "sliding_window": sliding_window,
+            "crossings": crossings, "resume_at": resume_at, "resume_unaligned": unaligned,
+            "widths_with_start_band": with_reason[B.START], "widths_with_tail_band": with_reason[B.TAIL],
+            "widths_with_boundary_band": with_reason[B.BOUNDARY], "missing": missing}
+
+
+def schedule_summary(bands: list[B.Band]) -> dict:
+    return {"n_bands": len(bands),
+            "widths": {str(w): c for w, c in sorted(Counter(b.width for b in bands).items(), reverse=True)},
+            "reasons": dict(sorted(Counter(b.reason for b in bands).items()))}
+
+
+def routing_rows(row_map: dict[str, T.Row]) -> dict[tuple[int, str], T.Row]:
+    """(layer, field) -> row for the routing nodes among one position's rows."""
+    out = {}
+    for r in row_map.values():
+        m = ROUTING_NODE.fullmatch(r.name)
+        if m and r.key == r.name:
+            out[(int(m.group(2)), ROUTING_FIELD[m.group(1)])] = r
+    return out
+
+
+def routing_layers(trace: T.Trace) -> list[int]:
+    return sorted({layer for pos in trace for layer, _ in routing_rows(pos)})
+
+
+def first_routing_diff(ref: T.Trace, other: T.Trace) -> dict | None:
+    """The first (position, layer) whose expert ids or weights differ from ref, or are missing."""
+    for p, (a, b) in enumerate(zip(ref, other)):
+        ra, rb = routing_rows(a), routing_rows(b)
+        for layer, fld in sorted(ra):
+            x, y = ra[(layer, fld)], rb.get((layer, fld))
+            if y is None or not T.comparable(x, y):
+                return {"position": p, "layer": layer, "field": fld, "problem": "missing"}
+            if not T.bit_equal(x.values, y.values):
+                return {"position": p, "layer": layer, "field": fld, "problem": "differs",
+                        "reference": x.values.tolist(), "value": y.values.tolist()}
+    return None
+
+
+@dataclass
+class Run:
+    label: str
+    width: int                # the planner's cap (1 for the q1 runs)
+    bands: list[B.Band]
+    result: P.Result
+    routing: T.Trace
+
+
+def run_schedule(eng, tap, label: str, width: int, tokens: list[int], bands: list[B.Band],
+                 n_predict: int, progress=lambda done, total: None) -> Run:
+    """One cache-cold request on a fresh context, with the routing nodes of every band tapped."""
+    ctx = eng.context(eng.context_size(len(tokens), n_predict, None), max(b.width for b in bands),
+                      eval_callback=tap.callback)
+    trace = T.new_trace(len(tokens))
+    tap.take()
+    try:
+        r = P.run(ctx, P.Request(tokens, bands, n_predict, keep_logits=True), progress,
+                  on_band=lambda b: T.add_decode(trace, tap.take(), b.start, b.width, strict=False))
+    finally:
+        tap.take()  # drop the response decodes' nodes
+        ctx.close()
+    return Run(label, width, bands, r, trace)
+
+
+def compare(ref: Run, run: Run, moe: bool) -> dict:
+    first, n_rows, max_d = T.first_differing_row(ref.result.logits, run.result.logits)
+    routing = first_routing_diff(ref.routing, run.routing) if moe else None
+    same_response = run.result.response_sha256 == ref.result.response_sha256
+    exact = first is None and same_response and routing is None
+    return {"width": run.width, "label": run.label, "schedule": schedule_summary(run.bands),
+            "widest_band": max(b.width for b in run.bands),
+            "exact": exact, "logits_identical": first is None, "first_diff_position": first,
+            "n_positions_differing": n_rows, "max_abs_diff": max_d if math.isfinite(max_d) else None,
+            "logits_sha256": run.result.logits_sha256, "response_sha256": run.result.response_sha256,
+            "response_identical": same_response,
+            "routing_identical": (routing is None) if moe else None, "first_routing_diff": routing,
+            "prefill_seconds": run.result.prefill_seconds}
+
+
+def request_record(run: Run, exact: bool) -> dict:
+    r = run.result
+    return {"label": run.label, "width": run.width, "n_bands": len(run.bands),
+            "prompt_sha256": r.prompt_sha256, "logits_sha256": r.logits_sha256,
+            "response_sha256": r.response_sha256, "response_tokens_sha256": r.response_tokens_sha256,
+            "prefill_seconds": r.prefill_seconds, "exact": exact}
+
+
+def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
+            resume_at: int | None = None, n_predict: int = 8,
+            progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[dict, dict]:
+    """Run q1 and every width; returns (report, requests) for output and evidence."""
+    n = len(tokens)
+    ws = sorted({1, *widths})
+    if ws[0] < 1:
+        raise UsageError(f"--widths must be >= 1, got {ws[0]}")
+    resume_at = default_resume_point(n) if resume_at is None else resume_at
+    if not 0 < resume_at < n:
+        raise UsageError(f"the resume point {resume_at} must be inside the prompt (1..{n - 1}); "
+                         f"the prompt has {n} tokens")
+    plans = {w: eng.request_bands(n, resume_at, cap=w, bands_on=True) for w in ws}
+    cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans)
+    if cov["missing"]:
+        raise UsageError("the prompt/schedules do not cover what qualify checks: " + "; ".join(cov["missing"])
+                         + " (use a longer --prompt, other --widths or --resume-at)")
+    eng.context_size(n, n_predict, None)  # fail early when it does not fit
+    total = n * (len(ws) + 1)
+
+    def step(i):
+        return lambda done, _n: progress(i * n + done, total)
+
+    ref = run_schedule(eng, tap, "q1 reference", 1, tokens, eng.request_bands(n, resume_at, bands_on=False),
+                       n_predict, step(0))
+    moe = bool(routing_layers(ref.routing))
+    results, requests = [], [request_record(ref, True)]
+    for i, w in enumerate(ws, start=1):
+        run = run_schedule(eng, tap, "q1 repeat" if w == 1 else f"cap {w}", w, tokens, plans[w],
+                           n_predict, step(i))
+        results.append(compare(ref, run, moe))
+        requests.append(request_record(run, results[-1]["exact"]))
+    rec = recommend({r["width"]: r["exact"] for r in results}, {r["width"]: r["widest_band"] for r in results})
+    report = {
+        "model": eng.info.path, "architecture": eng.info.architecture, "library": eng.settings.lib,
+        "threads": eng.threads, "n_tokens": n, "n_predict": n_predict, "resume_at": resume_at,
+        "widths": ws, "coverage": cov, "moe": moe, "routing_layers": routing_layers(ref.routing),
+        "reference": request_record(ref, True) | {"response_tokens": ref.result.response_tokens},
+        "results": results, "all_exact": all(r["exact"] for r in results), **rec,
+    }
+    return report, {"requests": requests, "exact_requests": [q for q in requests if q["exact"]]}
+
+
+def write_evidence(directory, records: dict[str, dict], report: dict, requests: dict):
+    """Seal provenance records, results.json and requests.json; returns (dir, manifest sha256)."""
+    from .evidence import EvidenceWriter
+    with EvidenceWriter(directory, "qualify") as ev:
+        for name, rec in records.items():
+            ev.write_json(name, rec)
+        ev.write_json("results.json", report)
+        ev.write_json("requests.json", requests)
+        ev.add_hash_check("requests.json", "requests", "prompt_sha256")
+        ev.add_hash_check("requests.json", "exact_requests", "logits_sha256")
+        ev.add_hash_check("requests.json", "exact_requests", "response_sha256")
+        return ev.commit()

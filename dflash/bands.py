@@ -11,8 +11,9 @@ With bands off every width is 1 (q1, the reference schedule).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 NARROW = "narrow"    # width <= narrow ceiling: batch-invariant matrix-vector kernels
 BATCHED = "batched"  # wider: batched (MMQ) kernels, outside the narrow exact path
@@ -106,3 +107,18 @@ def from_widths(ws: Iterable[int], start: int = 0, mmvq_max_ncols: int = 4) -> l
         out.append(Band(pos, w, NARROW if w <= mmvq_max_ncols else BATCHED, "given"))
         pos += w
     return out
+
+
+def summarize_widths(ws: Sequence[int], limit: int = 60) -> str:
+    """4 4 4 2 1 -> '4x3 2 1'; longer than `limit` characters: 'counts 4:3 2:1 1:1'."""
+    out, i = [], 0
+    while i < len(ws):
+        j = i
+        while j < len(ws) and ws[j] == ws[i]:
+            j += 1
+        out.append(f"{ws[i]}x{j - i}" if j - i > 1 else str(ws[i]))
+        i = j
+    text = " ".join(out)
+    if len(text) <= limit:
+        return text
+    return "counts " + " ".join(f"{w}:{c}" for w, c in sorted(Counter(ws).items(), reverse=True))

@@ -213,18 +213,3 @@ def parse_schedule(spec: str, n_tokens: int, ratios: Iterable[int] = ()) -> list
             raise UsageError(f"schedule {spec!r} covers {sum(ws)} tokens, the prompt has {n_tokens}")
         return ws
     raise UsageError(f"schedule {spec!r} is not one of: {SCHEDULE_HELP}")
-
-
-def summarize_widths(ws: Sequence[int], limit: int = 60) -> str:
-    """4 4 4 2 1 -> '4x3 2 1'; longer than `limit` characters: 'counts 4:3 2:1 1:1'."""
-    out, i = [], 0
-    while i < len(ws):
-        j = i
-        while j < len(ws) and ws[j] == ws[i]:
-            j += 1
-        out.append(f"{ws[i]}x{j - i}" if j - i > 1 else str(ws[i]))
-        i = j
-    text = " ".join(out)
-    if len(text) <= limit:
-        return text
-    return "counts " + " ".join(f"{w}:{c}" for w, c in sorted(Counter(ws).items(), reverse=True))

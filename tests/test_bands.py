@@ -74,3 +74,9 @@ def test_property_check_can_fail():
     rs = (4, 128)
     naive = B.fixed_bands(10, 4, start=1)
     assert any((p + 1) % r == 0 for b in naive for p in range(b.start, b.end - 1) for r in rs)
+
+
+def test_summarize_widths():
+    assert B.summarize_widths([4, 4, 4, 2, 1]) == "4x3 2 1"
+    assert B.summarize_widths([]) == ""
+    assert B.summarize_widths([3, 1] * 40).startswith("counts 3:40 1:40")

@@ -20,17 +20,11 @@ def cli(debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import build_cmd, plan_cmd, prefill_cmd, tiny_cmd
-    for mod in (plan_cmd, prefill_cmd, tiny_cmd, build_cmd):
-        cli.add_command(mod.command)
-    for name in ("bench_cmd", "verify_cmd", "qualify_cmd", "diff_cmd", "matrix_cmd", "devices_cmd"):
-        try:
-            mod = __import__(f"{__name__}.{name}", fromlist=["command"])
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            continue
-        for c in (mod.commands if hasattr(mod, "commands") else [mod.command]):
+    from . import (bench_cmd, build_cmd, devices_cmd, diff_cmd, matrix_cmd, plan_cmd, prefill_cmd,
+                   qualify_cmd, tiny_cmd, verify_cmd)
+    for mod in (plan_cmd, prefill_cmd, bench_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
+                devices_cmd, tiny_cmd, build_cmd):
+        for c in getattr(mod, "commands", None) or [mod.command]:
             cli.add_command(c)
 
 

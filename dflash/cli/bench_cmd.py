@@ -12,7 +12,7 @@ from .. import evidence, records
 from ..build import REPO_ROOT
 from ..errors import DflashError, UsageError
 from . import output
-from .options import device_option, model_option, settings_from
+from .options import device_option, model_option, prompt_options, settings_from
 from .. import settings as S
 
 
@@ -31,8 +31,7 @@ def write_evidence(dest: Path, eng, prompt, tokens, samples, widths, summary, op
 
 @click.command("bench")
 @model_option
-@click.option("--prompt", default=None, help="Prompt text [default: the built-in prompt].")
-@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@prompt_options
 @click.option("--chunk", type=int, default=S.MAX_BAND, show_default=True, help="Candidate's widest band (1..4).")
 @click.option("--threads", type=int, default=None, help="CPU threads [default: min(cores, 8)].")
 @click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True)

@@ -15,7 +15,7 @@ from .. import settings as S
 from .. import trace as T
 from ..errors import UsageError
 from . import output
-from .options import model_option
+from .options import model_option, prompt_options
 
 
 def traced_run(eng: E.Engine, tap, tokens: list[int], widths: list[int],
@@ -38,8 +38,8 @@ def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: P.Re
                 d: T.TraceDiff, show: int) -> dict:
     first_pos, n_rows, max_d = T.first_differing_row(ra.logits, rb.logits)
     return {
-        "a": {"schedule": spec_a, "widths": T.summarize_widths(wa), "n_bands": len(wa)},
-        "b": {"schedule": spec_b, "widths": T.summarize_widths(wb), "n_bands": len(wb)},
+        "a": {"schedule": spec_a, "widths": B.summarize_widths(wa), "n_bands": len(wa)},
+        "b": {"schedule": spec_b, "widths": B.summarize_widths(wb), "n_bands": len(wb)},
         "n_tokens": sum(wa),
         "logits_identical": first_pos is None, "first_diff_position": first_pos,
         "n_positions_differing": n_rows, "logits_max_abs_diff": max_d,
@@ -58,8 +58,7 @@ def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: P.Re
 @model_option
 @click.option("--a", "spec_a", default="q1", show_default=True, metavar="SCHEDULE", help="Reference schedule.")
 @click.option("--b", "spec_b", default="w4", show_default=True, metavar="SCHEDULE", help="Candidate schedule.")
-@click.option("--prompt", default=None, help="Prompt text [default: the built-in prompt].")
-@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@prompt_options
 @click.option("--n-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Compare the first N prompt tokens (the tokenized prompt is truncated).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: min(cores, 8)].")

@@ -34,3 +34,9 @@ def settings_from(bands, chunk, lib="exact", max_chunk=S.MAX_BAND) -> S.Settings
 def device_option(f):
     return click.option("--device", default="cpu", show_default=True,
                         help="cpu, hip:N, or hip:N,hip:M to split layers across two GPUs.")(f)
+
+
+def prompt_options(f):
+    f = click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")(f)
+    return click.option("--prompt", default=None,
+                        help="Prompt text [default: a built-in prompt, 373 tokens on the tiny model].")(f)

@@ -3,23 +3,12 @@ from __future__ import annotations
 
 import click
 
+from .. import bands as B
 from .. import engine as E
 from .. import prefill as P
 from ..errors import DflashError
 from . import output
-from .options import device_option, model_option, run_options, settings_from
-
-
-def compress_widths(ws: list[int]) -> str:
-    """4 4 4 2 1 -> '4x3 2 1'."""
-    out, i = [], 0
-    while i < len(ws):
-        j = i
-        while j < len(ws) and ws[j] == ws[i]:
-            j += 1
-        out.append(f"{ws[i]}x{j - i}" if j - i > 1 else str(ws[i]))
-        i = j
-    return " ".join(out)
+from .options import device_option, model_option, prompt_options, run_options, settings_from
 
 
 def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
@@ -41,8 +30,7 @@ def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
 
 @click.command("prefill")
 @model_option
-@click.option("--prompt", default=None, help="Prompt text [default: a built-in prompt of ~300 tiny-model tokens].")
-@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@prompt_options
 @run_options
 @click.option("--n-predict", type=click.IntRange(min=0), default=16, show_default=True,
               help="Greedy response tokens after the prefill.")
@@ -92,7 +80,7 @@ def _print_human(eng: E.Engine, r: P.Result, d: dict) -> None:
     s = eng.settings
     o = output.out
     o.print(f"model     {d['model']} ({d['architecture']}), library {s.lib}", highlight=False)
-    o.print(f"bands     {'on, cap ' + str(s.cap) if s.bands else 'off (q1)'}; widths {compress_widths(r.widths)}",
+    o.print(f"bands     {'on, cap ' + str(s.cap) if s.bands else 'off (q1)'}; widths {B.summarize_widths(r.widths)}",
             highlight=False)
     o.print(f"prefill   {r.n_prompt_tokens} tokens in {r.prefill_seconds:.3f} s = "
             f"{r.prefill_tokens_per_second:.1f} tok/s ({eng.threads} threads)", highlight=False)

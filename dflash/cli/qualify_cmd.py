@@ -16,7 +16,7 @@ from ..build import REPO_ROOT
 from ..errors import UsageError
 from ..evidence import default_dir
 from . import output
-from .options import device_option, model_option
+from .options import device_option, model_option, prompt_options
 
 
 def parse_widths(text: str) -> list[int]:
@@ -32,8 +32,7 @@ def parse_widths(text: str) -> list[int]:
 @click.command("qualify", short_help="Which band widths are bit-identical to q1 (per-width verdicts, a "
                                       "recommended cap, evidence).")
 @model_option
-@click.option("--prompt", default=None, help="Prompt text [default: the built-in prompt, 373 tiny-model tokens].")
-@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")
+@prompt_options
 @click.option("--widths", default=",".join(map(str, Q.DEFAULT_WIDTHS)), show_default=True,
               help="Planner caps to qualify, comma-separated (q1 always runs).")
 @click.option("--resume-at", type=click.IntRange(min=1), default=None,

@@ -9,6 +9,12 @@ tail), then n_predict tokens are decoded greedily. Each run is compared with one
     (`ffn_moe_weights_scaled-<layer>`) of every prompt position and layer, bit for bit.
 Width 1 is a second q1 run: it shows the reference is reproducible at all.
 
+Each width w >= 2 also runs a fixed-width schedule: bands of exactly w tokens over both parts,
+ignoring compressor boundaries (only the tail of each part is shorter). The planner never
+decodes a band wider than the smallest compress ratio, so on DeepSeek V4 this is the run that
+really exercises widths 5..8, i.e. the kernels a LUCE_MMVQ_MAX_NCOLS above 4 would use. A width
+is exact only when both its planner run and its fixed-width run match q1.
+
 Default resume point: the first position p > n/3 with p % 4 != 0 and p % 128 != 0, i.e. a
 resumed start that is aligned to neither compressor ratio of DeepSeek V4.
 
@@ -17,7 +23,8 @@ exact (0 when even the q1 repeat differs); a cap that was not run is never vouch
 recommended cap (`--chunk`, and the LUCE_MMVQ_MAX_NCOLS value) is that cap limited to band
 mode's maximum (4), and at least 1 (q1). The largest exact width is the widest band those exact
 runs really decoded: the planner never exceeds the smallest compress ratio (4 on DeepSeek V4),
-so on such a model caps 5..8 run the same bands as cap 4 and the largest exact width stays 4.
+so on such a model the planner runs of caps 5..8 use the same bands as cap 4; their fixed-width
+runs decode w-wide bands, so the largest exact width is the widest band of either run.
 """
 from __future__ import annotations
 
@@ -183,12 +190,14 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
         raise UsageError(f"the resume point {resume_at} must be inside the prompt (1..{n - 1}); "
                          f"the prompt has {n} tokens")
     plans = {w: eng.request_bands(n, resume_at, cap=w, bands_on=True) for w in ws}
+    fixed = {w: B.fixed_bands(resume_at, w) + B.fixed_bands(n - resume_at, w, start=resume_at)
+             for w in ws if w > 1}
     cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans)
     if cov["missing"]:
         raise UsageError("the prompt/schedules do not cover what qualify checks: " + "; ".join(cov["missing"])
                          + " (use a longer --prompt, other --widths or --resume-at)")
     eng.context_size(n, n_predict, None)  # fail early when it does not fit
-    total = n * (len(ws) + 1)
+    total = n * (len(ws) + len(fixed) + 1)
 
     def step(i):
         return lambda done, _n: progress(i * n + done, total)
@@ -197,11 +206,28 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
                        n_predict, step(0))
     moe = bool(routing_layers(ref.routing))
     results, requests = [], [request_record(ref, True)]
-    for i, w in enumerate(ws, start=1):
+    k = 0
+    for w in ws:
+        k += 1
         run = run_schedule(eng, tap, "q1 repeat" if w == 1 else f"cap {w}", w, tokens, plans[w],
-                           n_predict, step(i))
-        results.append(compare(ref, run, moe))
-        requests.append(request_record(run, results[-1]["exact"]))
+                           n_predict, step(k))
+        res = compare(ref, run, moe)
+        requests.append(request_record(run, res["exact"]))
+        if w in fixed:
+            k += 1
+            frun = run_schedule(eng, tap, f"fixed {w}", w, tokens, fixed[w], n_predict, step(k))
+            f = compare(ref, frun, moe)
+            requests.append(request_record(frun, f["exact"]))
+            res["planner_exact"] = res["exact"]
+            res["fixed_width"] = {key: f[key] for key in ("exact", "logits_identical", "first_diff_position",
+                                                          "max_abs_diff", "response_identical",
+                                                          "routing_identical", "first_routing_diff",
+                                                          "widest_band", "schedule")}
+            res["exact"] = res["exact"] and f["exact"]
+            res["widest_band"] = max(res["widest_band"], f["widest_band"])
+            if res["first_diff_position"] is None:
+                res["first_diff_position"] = f["first_diff_position"]
+        results.append(res)
     rec = recommend({r["width"]: r["exact"] for r in results}, {r["width"]: r["widest_band"] for r in results})
     report = {
         "model": eng.info.path, "architecture": eng.info.architecture, "library": eng.settings.lib,

@@ -112,7 +112,11 @@ def test_exact_build_qualifies_every_width(tiny_models, tmp_path):
         assert r["exact"] and r["logits_identical"] and r["first_diff_position"] is None, r
         assert r["response_identical"] and r["routing_identical"] is True and r["max_abs_diff"] == 0.0
     assert d["moe"] and d["routing_layers"] and d["all_exact"]
-    assert d["recommended_cap"] == 4 and d["largest_exact_cap"] == 8 and d["largest_exact_width"] == 4
+    # the planner stops at 4 (ratio-4 boundaries); the fixed-width runs decode 5..8-wide bands
+    assert d["recommended_cap"] == 4 and d["largest_exact_cap"] == 8 and d["largest_exact_width"] == 8
+    for r in d["results"][1:]:
+        f = r["fixed_width"]
+        assert f["exact"] and f["widest_band"] == r["width"] and r["planner_exact"]
     assert d["recommended_env"]["LUCE_MMVQ_MAX_NCOLS"] == "4"
     c = d["coverage"]
     assert c["missing"] == [] and c["n_tokens"] == 373 and c["resume_at"] == 125
@@ -121,7 +125,7 @@ def test_exact_build_qualifies_every_width(tiny_models, tmp_path):
     v = run_json("verify", ev, "--manifest-sha256", d["manifest_sha256"])
     assert v["ok"] and v["n_hash_checks"] == 3
     req = json.loads((ev / "requests.json").read_text())
-    assert len(req["exact_requests"]) == len(req["requests"]) == 9  # q1 reference + caps 1..8
+    assert len(req["exact_requests"]) == len(req["requests"]) == 16  # q1 ref, caps 1..8, fixed 2..8
     assert json.loads((ev / "results.json").read_text())["results"] == d["results"]
 
 
@@ -136,6 +140,7 @@ def test_stock_build_fails_widths_above_one(tiny_models, tmp_path):
         assert by[w]["exact"] is False and by[w]["logits_identical"] is False
         assert isinstance(by[w]["first_diff_position"], int) and by[w]["max_abs_diff"] > 0
         assert by[w]["routing_identical"] is False and by[w]["first_routing_diff"]["position"] >= 0
+        assert by[w]["fixed_width"]["exact"] is False and by[w]["planner_exact"] is False
     assert d["recommended_cap"] == 1 and d["largest_exact_cap"] == 1 and not d["all_exact"]
     assert run_json("verify", ev)["ok"]  # the evidence holds only the exact runs to identical hashes
     req = json.loads((ev / "requests.json").read_text())

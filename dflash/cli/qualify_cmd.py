@@ -103,7 +103,7 @@ def _print_human(r: dict) -> None:
     t = Table()
     for name, j in (("cap", "right"), ("bands", "right"), ("widths used", "left"), ("exact", "left"),
                     ("logits", "left"), ("first diff", "right"), ("max |Δ|", "right"),
-                    ("response", "left"), ("routing", "left")):
+                    ("response", "left"), ("routing", "left"), ("fixed width", "left")):
         t.add_column(name, justify=j)
     for x in r["results"]:
         sched = x["schedule"]
@@ -116,13 +116,12 @@ def _print_human(r: dict) -> None:
                   _yes(x["exact"]), _yes(x["logits_identical"], "identical", "differ"),
                   "-" if x["first_diff_position"] is None else str(x["first_diff_position"]),
                   f"{x['max_abs_diff']:.2e}" if x["max_abs_diff"] is not None else "nan",
-                  _yes(x["response_identical"], "same", "DIFFERS"), routing)
+                  _yes(x["response_identical"], "same", "DIFFERS"), routing, _fixed(x.get("fixed_width")))
     o.print(t)
-    short = [x["width"] for x in r["results"] if x["widest_band"] < x["width"]]
+    short = [x["width"] for x in r["results"] if x["schedule"]["widths"] and max(map(int, x["schedule"]["widths"])) < x["width"]]
     if short:
-        o.print(f"[dim]caps {_ws(short)} never decode a band wider than "
-                f"{max(x['widest_band'] for x in r['results'])} on this model and prompt: the planner's "
-                f"boundary rule cuts them (they run the same bands as a smaller cap)[/dim]", highlight=False)
+        o.print(f"[dim]the planner cuts caps {_ws(short)} at compressor boundaries (same bands as a smaller "
+                f"cap); their 'fixed width' runs decode bands of exactly that width[/dim]", highlight=False)
     env = " ".join(f"{k}={v}" for k, v in r["recommended_env"].items())
     o.print(f"largest exact cap    {r['largest_exact_cap']} (widest band decoded by the exact runs: "
             f"{r['largest_exact_width']})", highlight=False)
@@ -131,6 +130,15 @@ def _print_human(r: dict) -> None:
     if not r["all_exact"]:
         o.print("[yellow]not every width is exact on this build[/yellow] (qualify reports; exit code 0)")
     o.print(f"evidence  {escape(r['evidence_dir'])}  manifest sha256 {r['manifest_sha256']}", highlight=False)
+
+
+def _fixed(f: dict | None) -> str:
+    if f is None:
+        return "[dim]-[/dim]"
+    if f["exact"]:
+        return "[green]exact[/green]"
+    pos = f["first_diff_position"]
+    return "[red]NO[/red]" + (f" (pos {pos})" if pos is not None else "")
 
 
 def _ws(ws: list[int]) -> str:

@@ -35,19 +35,21 @@ class Request:
     n_predict: int = 16
     logits: str = "all"       # "all" (hash every position) or "last"
     keep_logits: bool = False  # keep the (n, n_vocab) array for position-level comparison
+    start: int = 0            # > 0: resume; tokens[:start] are already in the context (an earlier
+    #                           request with n_predict=0), so the context is not cleared
 
     def __post_init__(self):
         covered = sum(b.width for b in self.bands)
-        if covered != len(self.tokens):
-            raise ValueError(f"bands cover {covered} tokens, prompt has {len(self.tokens)}")
-        if self.bands and self.bands[0].start != 0:
-            raise ValueError("a request's bands start at position 0 (plan a resumed start after it)")
+        if covered != len(self.tokens) - self.start:
+            raise ValueError(f"bands cover {covered} tokens, the request has {len(self.tokens) - self.start}")
+        if self.bands and self.bands[0].start != self.start:
+            raise ValueError(f"the bands start at {self.bands[0].start}, the request at {self.start}")
 
 
 @dataclass
 class Result:
     widths: list[int]
-    n_prompt_tokens: int
+    n_prompt_tokens: int  # tokens this request prefilled (after req.start when resuming)
     prefill_seconds: float
     decode_seconds: float
     logits_sha256: str
@@ -65,13 +67,15 @@ class Result:
 
 def run(ctx, req: Request, progress: Progress = _noop,
         on_band: Callable[[Band], None] | None = None) -> Result:
-    """One cache-cold request: clear, prefill band by band, then greedy-decode n_predict tokens.
+    """One request: clear (unless resuming), prefill band by band, greedy-decode n_predict tokens.
 
-    `on_band(band)` runs after each band's llama_decode (e.g. to collect a graph tap)."""
-    ctx.clear()
+    Logits are hashed (and kept) for positions req.start..n-1; `kept` rows are indexed by
+    position. `on_band(band)` runs after each band's llama_decode (e.g. to collect a graph tap)."""
+    if req.start == 0:
+        ctx.clear()
     n = len(req.tokens)
     h = hashlib.sha256()
-    kept = np.empty((n, ctx.n_vocab), dtype=np.float32) if req.keep_logits else None
+    kept = np.full((n, ctx.n_vocab), np.nan, dtype=np.float32) if req.keep_logits else None
     last = None
     t0 = time.perf_counter()
     for b in req.bands:
@@ -105,7 +109,7 @@ def run(ctx, req: Request, progress: Progress = _noop,
     decode_s = time.perf_counter() - t1
     text = ctx.model.detokenize(response)
     return Result(
-        widths=[b.width for b in req.bands], n_prompt_tokens=n, prefill_seconds=prefill_s,
+        widths=[b.width for b in req.bands], n_prompt_tokens=n - req.start, prefill_seconds=prefill_s,
         decode_seconds=decode_s, logits_sha256=h.hexdigest(), prompt_sha256=sha256_tokens(req.tokens),
         response_tokens=response, response_text=text, response_tokens_sha256=sha256_tokens(response),
         response_sha256=hashlib.sha256(text).hexdigest(), logits=kept)

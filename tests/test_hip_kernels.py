@@ -29,7 +29,7 @@ REL_TOL = 1e-5  # of sum |w| |x|, as in hip_kernels/tests/host_data.h
 def host_bins(tmp_path_factory) -> dict[str, Path]:
     cmake, cxx = shutil.which("cmake"), shutil.which("g++") or shutil.which("c++")
     if not cmake or not cxx:
-        pytest.skip("cmake and a C++ compiler (g++) are needed to build dflash_mmvq_host")
+        pytest.fail("cmake and a C++ compiler (g++) are needed to build dflash_mmvq_host: run scripts/setup")
     build = tmp_path_factory.mktemp("hip_kernels_build")
     for cmd in (
         [cmake, "-S", str(KERNELS), "-B", str(build), "-DDFLASH_KERNELS_HOST_ONLY=ON", "-DCMAKE_BUILD_TYPE=Release"],

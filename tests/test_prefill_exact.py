@@ -89,3 +89,22 @@ def test_cli_bands_on_and_off_agree(tiny_models):
     for k in ("logits_sha256", "response_sha256", "response_tokens"):
         assert on[k] == off[k]
     assert on["library"]["flavor"] == "exact" and on["prefill_tokens_per_second"] > 0
+
+
+def test_resume_on_the_same_context(exact_engines):
+    """A first request prefills [0, P) (no response), a second continues from P without clearing:
+    every logits row from P on and the response equal the q1 run of the whole prompt."""
+    eng = exact_engines["mxfp4"]
+    tokens = eng.tokenize(E.DEFAULT_PROMPT)
+    q1 = run(eng, tokens, 1, bands_on=False)
+    for p in (131, 200):  # unaligned, and aligned to ratio 4
+        c = eng.context(len(tokens) + N_PREDICT, 4)
+        P.run(c, P.Request(tokens[:p], eng.plan(p, 0), n_predict=0))
+        second = P.run(c, P.Request(tokens, eng.plan(len(tokens) - p, p), N_PREDICT, keep_logits=True, start=p))
+        assert second.n_prompt_tokens == len(tokens) - p and second.widths[0] == (1 if p == 131 else 4)
+        assert np.array_equal(second.logits[p:].view(np.uint32), q1.logits[p:].view(np.uint32))
+        assert second.response_tokens == q1.response_tokens
+    # resuming on a context that was cleared is caught by the comparison: the state matters
+    c.clear()
+    lost = P.run(c, P.Request(tokens, eng.plan(len(tokens) - 200, 200), N_PREDICT, keep_logits=True, start=200))
+    assert not np.array_equal(lost.logits[200:].view(np.uint32), q1.logits[200:].view(np.uint32))

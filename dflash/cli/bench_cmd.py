@@ -12,7 +12,7 @@ from .. import evidence, records
 from ..build import REPO_ROOT
 from ..errors import DflashError, UsageError
 from . import output
-from .options import device_option, model_option, prompt_options, settings_from
+from .options import device_option, lib_option, model_option, prompt_options, settings_from, threads_option
 from .. import settings as S
 
 
@@ -33,8 +33,8 @@ def write_evidence(dest: Path, eng, prompt, tokens, samples, widths, summary, op
 @model_option
 @prompt_options
 @click.option("--chunk", type=int, default=S.MAX_BAND, show_default=True, help="Candidate's widest band (1..4).")
-@click.option("--threads", type=int, default=None, help="CPU threads [default: min(cores, 8)].")
-@click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True)
+@threads_option
+@lib_option
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Warm-up requests per arm.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Measured requests per arm.")
 @click.option("--interleave", is_flag=True, help="Alternate A, candidate, B per request instead of arm after arm.")

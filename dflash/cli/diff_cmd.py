@@ -15,7 +15,7 @@ from .. import settings as S
 from .. import trace as T
 from ..errors import UsageError
 from . import output
-from .options import model_option, prompt_options
+from .options import lib_option, model_option, prompt_options, threads_option
 
 
 def traced_run(eng: E.Engine, tap, tokens: list[int], widths: list[int],
@@ -61,9 +61,8 @@ def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: P.Re
 @prompt_options
 @click.option("--n-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Compare the first N prompt tokens (the tokenized prompt is truncated).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: min(cores, 8)].")
-@click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
-              help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")
+@threads_option
+@lib_option
 @click.option("--show", type=click.IntRange(min=0), default=10, show_default=True,
               help="List the first N differing nodes at the first differing position.")
 @click.option("--ignore", default=None, metavar="REGEX",

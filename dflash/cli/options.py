@@ -14,21 +14,20 @@ def model_option(f):
                         help="GGUF model file (default: the built-in tiny DeepSeek-V4 model).")(f)
 
 
-def run_options(f):
-    for opt in reversed([
-        click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4]."),
-        click.option("--bands/--no-bands", default=None,
-                     help=f"Use q2..q4 bands (overrides {S.ENV_BANDS}; default: the env flag, else q1)."),
-        click.option("--threads", type=int, default=None, help="CPU threads [default: min(cores, 8)]."),
-        click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
-                     help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults)."),
-    ]):
-        f = opt(f)
-    return f
+def prompt_options(f):
+    f = click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")(f)
+    return click.option("--prompt", default=None,
+                        help="Prompt text [default: a built-in prompt, 373 tokens on the tiny model].")(f)
 
 
-def settings_from(bands, chunk, lib="exact", max_chunk=S.MAX_BAND) -> S.Settings:
-    return S.resolve(bands=bands, chunk=chunk, lib=lib, max_chunk=max_chunk)
+def threads_option(f):
+    return click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="CPU threads [default: min(cores, 8)].")(f)
+
+
+def lib_option(f):
+    return click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
+                        help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")(f)
 
 
 def device_option(f):
@@ -36,7 +35,13 @@ def device_option(f):
                         help="cpu, hip:N, or hip:N,hip:M to split layers across two GPUs.")(f)
 
 
-def prompt_options(f):
-    f = click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")(f)
-    return click.option("--prompt", default=None,
-                        help="Prompt text [default: a built-in prompt, 373 tokens on the tiny model].")(f)
+def run_options(f):
+    """--chunk, --bands/--no-bands, --threads, --lib: how prefill runs."""
+    f = lib_option(threads_option(f))
+    f = click.option("--bands/--no-bands", default=None,
+                     help=f"Use q2..q4 bands (overrides {S.ENV_BANDS}; default: the env flag, else q1).")(f)
+    return click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4].")(f)
+
+
+def settings_from(bands, chunk, lib="exact", max_chunk=S.MAX_BAND) -> S.Settings:
+    return S.resolve(bands=bands, chunk=chunk, lib=lib, max_chunk=max_chunk)

@@ -16,7 +16,7 @@ from ..build import REPO_ROOT
 from ..errors import UsageError
 from ..evidence import default_dir
 from . import output
-from .options import device_option, model_option, prompt_options
+from .options import device_option, lib_option, model_option, prompt_options, threads_option
 
 
 def parse_widths(text: str) -> list[int]:
@@ -37,9 +37,8 @@ def parse_widths(text: str) -> list[int]:
               help="Planner caps to qualify, comma-separated (q1 always runs).")
 @click.option("--resume-at", type=click.IntRange(min=1), default=None,
               help="Resume point of the second part [default: first p > n/3 with p % 4 != 0 and p % 128 != 0].")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: min(cores, 8)].")
-@click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
-              help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")
+@threads_option
+@lib_option
 @click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True,
               help="Greedy response tokens after each prefill (their SHA-256 must match q1's).")
 @click.option("--evidence", "evidence_dir", type=click.Path(path_type=Path), default=None,

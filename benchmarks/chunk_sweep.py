@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    eng = E.open_engine(S.resolve({}, bands=True, chunk=4, lib=a.lib), a.model, threads=a.threads,
+    eng = E.open_engine(S.resolve(None, bands=True, chunk=4, lib=a.lib), a.model, threads=a.threads,
                         weights=a.weights)
     tokens = eng.tokenize(E.DEFAULT_PROMPT)
     caps = [int(c) for c in a.caps.split(",")]

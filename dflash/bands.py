@@ -50,10 +50,6 @@ def safe_width(pos: int, ratios: Iterable[int]) -> int | None:
     return min(r - pos % r for r in rs) if rs else None
 
 
-def is_emission(pos: int, ratios: Iterable[int]) -> bool:
-    return any((pos + 1) % r == 0 for r in positive_ratios(ratios))
-
-
 def plan(n_tokens: int, start: int = 0, ratios: Iterable[int] | None = (), cap: int = 4,
          bands_on: bool = True, mmvq_max_ncols: int = 4) -> list[Band]:
     """Bands that tile [start, start + n_tokens) in order under the rule above."""
@@ -71,7 +67,7 @@ def plan(n_tokens: int, start: int = 0, ratios: Iterable[int] | None = (), cap: 
     pos, end = start, start + n_tokens
     while pos < end:
         left = end - pos
-        safe = min(r - pos % r for r in rs) if rs else None
+        safe = safe_width(pos, rs)
         width = min(cap, left, safe if safe is not None else cap)
         ratio = None
         if not bands_on:

@@ -42,14 +42,16 @@ def order(warmup: int, runs: int, interleave: bool) -> Iterator[tuple[str, int]]
                 yield arm, i
 
 
-def run(eng: Engine, tokens: list[int], *, chunk: int, warmup: int = 2, runs: int = 5,
+def run(eng: Engine, tokens: list[int], *, warmup: int = 2, runs: int = 5,
         interleave: bool = False, n_predict: int = 8, logits: str = "all",
         progress: Callable[[int, int], None] = lambda d, t: None) -> tuple[list[Sample], dict]:
-    """Run all requests; returns the samples and the per-arm widths."""
+    """Run all requests; the candidate is the band plan at the engine's --chunk. Returns the
+    samples and the per-arm widths."""
+    n_ctx = eng.context_size(len(tokens), n_predict, None)
     schedules = {Q1_A: eng.request_bands(len(tokens), bands_on=False),
-                 CANDIDATE: eng.request_bands(len(tokens), cap=chunk, bands_on=True),
+                 CANDIDATE: eng.request_bands(len(tokens), bands_on=True),
                  Q1_B: eng.request_bands(len(tokens), bands_on=False)}
-    ctx = eng.context(len(tokens) + n_predict, max(b.width for b in schedules[CANDIDATE]))
+    ctx = eng.context(n_ctx, max(b.width for b in schedules[CANDIDATE]))
     todo = list(order(warmup, runs, interleave))
     samples = []
     try:
@@ -88,3 +90,17 @@ def summarize(samples: list[Sample]) -> dict:
 
 def requests_record(samples: list[Sample]) -> dict:
     return {"requests": [asdict(s) for s in samples]}
+
+
+def write_evidence(w, provenance: dict[str, dict], options: dict, samples: list[Sample],
+                   widths: dict, summary: dict) -> tuple:
+    """Fill an open EvidenceWriter and commit it; returns (dir, manifest sha256)."""
+    for name, rec in provenance.items():
+        w.write_json(name, rec)
+    w.write_json("options.json", options)
+    w.write_json("schedules.json", widths)
+    w.write_json("requests.json", requests_record(samples))
+    w.write_json("summary.json", summary)
+    w.add_hash_check("requests.json", "requests", "response_sha256")
+    w.add_hash_check("requests.json", "requests", "logits_sha256")
+    return w.commit()

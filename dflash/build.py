@@ -9,6 +9,7 @@ host CPU's feature flags (the build is native).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -36,6 +37,7 @@ def cache_root() -> Path:
     return Path(base) / "dflash"
 
 
+@functools.lru_cache(maxsize=1)
 def _host_fingerprint() -> str:
     flags = ""
     try:
@@ -55,6 +57,9 @@ def _host_fingerprint() -> str:
 def build_key(flavor: str, gpu: str = "none") -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}|{flavor}|{gpu}|".encode())
+    if not (REPO_ROOT / "CMakeLists.txt").is_file():
+        raise DflashError(f"dflash builds llama.cpp from its source checkout, and {REPO_ROOT} is not one: "
+                          f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
     if gpu == "hip":

@@ -36,6 +36,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         raise UsageError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
         p = Path(prompt_file)
+        if p.is_dir():
+            raise UsageError(f"prompt file is a directory: {prompt_file}")
         if not p.is_file():
             raise UsageError(f"prompt file not found: {prompt_file}")
         try:
@@ -46,6 +48,10 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         prompt = DEFAULT_PROMPT
     if not prompt.strip():
         raise UsageError("the prompt is empty")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("the prompt is not valid UTF-8") from None
     return prompt
 
 
@@ -54,7 +60,7 @@ def library_dir(settings: Settings, log: Log = lambda s: None) -> Path:
     if settings.lib_dir:
         d = Path(settings.lib_dir)
         if not (d / "libllama.so").is_file():
-            raise DflashError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
+            raise UsageError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
         return d
     return build.build_library(settings.lib, log=log)
 
@@ -115,12 +121,10 @@ class Engine:
         return self.plan(resume_at, 0, **kw) + self.plan(n_tokens - resume_at, resume_at, **kw)
 
 
-def gpu_placement(device: str) -> dict:
+def gpu_placement(ids: list[int]) -> dict:
     """Model placement for --device: cpu; hip:N (all layers on N); hip:N,hip:M (layer split)."""
-    ids = devices.parse_device(device)
     if not ids:
         return {}
-    devices.require_hip(ids)  # exit 3 with the reason when the runtime or a device is missing
     if not llama.supports_gpu():
         raise DflashError("the loaded llama.cpp library has no GPU backend: build it with "
                           "-DDFLASH_GPU=hip (see hip_kernels/README.md) and set DFLASH_LLAMA_LIB_DIR")
@@ -137,11 +141,14 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
                 log: Log = lambda s: None) -> Engine:
     path = resolve_model(model_path, weights)
     info = gguf_meta.read(path)  # validates the file before llama.cpp sees it
-    devices.parse_device(device)  # a malformed --device is a usage error before any work
+    gpu_ids = devices.parse_device(device)
+    if gpu_ids:
+        devices.require_hip(gpu_ids)  # exit 3 with the reason, before any build or load
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} must be >= 1")
     lib_dir = library_dir(settings, log)
-    llama.load_library(lib_dir)
-    placement = gpu_placement(device)
+    os.environ.update(settings.env_flags())  # the library's narrow path sees dflash's ceiling
+    llama.load_library(lib_dir, verbose=settings.verbose)
+    placement = gpu_placement(gpu_ids)
     model = llama.Model(path, exact=settings.lib == "exact", **placement)
     return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device)

@@ -182,9 +182,12 @@ class EvidenceWriter:
         self.kind = kind
         if os.path.lexists(self.final_dir):
             raise EvidenceError(f"evidence directory already exists: {self.final_dir}")
-        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp_dir = self.final_dir.parent / f".tmp-{self.final_dir.name}-{secrets.token_hex(4)}"
-        self.tmp_dir.mkdir()
+        try:
+            self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir.mkdir()
+        except OSError as e:
+            raise EvidenceError(f"cannot create evidence directory {self.final_dir}: {e.strerror}") from None
         self._files: dict[str, dict] = {}
         self._checks: list[dict] = []
         self._state = "open"  # -> "committed" | "aborted"
@@ -236,6 +239,13 @@ class EvidenceWriter:
 
     def commit(self) -> tuple[Path, str]:
         """Write manifest.json last, fsync, rename into place; returns (final_dir, manifest sha256)."""
+        try:
+            return self._commit()
+        except OSError as e:
+            self.abort()
+            raise EvidenceError(f"cannot write evidence directory {self.final_dir}: {e.strerror}") from None
+
+    def _commit(self) -> tuple[Path, str]:
         self._require_open()
         for c in self._checks:
             if c["file"] not in self._files:

@@ -24,10 +24,6 @@ class ModelInfo:
     vocab_size: int | None
     weight_types: dict[str, int] = field(default_factory=dict)  # GGML type name -> tensor count
 
-    @property
-    def boundary_ratios(self) -> tuple[int, ...]:
-        return tuple(sorted({r for r in self.compress_ratios if r > 0}))
-
 
 def _check_file(path: Path) -> None:
     if not path.exists():
@@ -74,6 +70,8 @@ def read(path: str | os.PathLike) -> ModelInfo:
     def get(key):
         return _field(reader, f"{arch}.{key}")
 
+    if _field(reader, "tokenizer.ggml.model") in ("none", "no_vocab"):
+        raise ModelError(f"{path} has no vocabulary (tokenizer model 'none'): it cannot tokenize a prompt")
     ratios = get("attention.compress_ratios") or []
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = get("vocab_size") or (len(tokens) if tokens is not None else None)

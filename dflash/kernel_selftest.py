@@ -116,6 +116,10 @@ class _Gpu:
         self.check(self.hip.hipMemcpy(out, ptr, nbytes, self.hip.hipMemcpyKind.hipMemcpyDeviceToHost))
         return bytes(out)
 
+    def free(self, *ptrs) -> None:
+        for p in ptrs:
+            self.check(self.hip.hipFree(p))
+
 
 def run_dense(gpu: _Gpu, case: Case, xq: bytes) -> np.ndarray:
     import ctypes
@@ -123,15 +127,19 @@ def run_dense(gpu: _Gpu, case: Case, xq: bytes) -> np.ndarray:
     nbytes, nvals = TYPES[case.type]
     nblocks = case.cols // nvals
     w, x, y = gpu.buffer(case.w), gpu.buffer(xq), gpu.buffer(bytes(4 * ncols * case.rows))
-    gpu.launch(f"dflash_mmvq_{case.type}_nc{ncols}", (case.rows, 1, 1), (32, 4, 1),
-               (w, x, y, ctypes.c_int32(nblocks), ctypes.c_int32(case.rows),
-                ctypes.c_int64(nblocks * nbytes), ctypes.c_int64(case.cols // 32), ctypes.c_int64(case.rows)))
-    return np.frombuffer(gpu.read(y, 4 * ncols * case.rows), dtype="<f4").reshape(ncols, case.rows)
+    try:
+        gpu.launch(f"dflash_mmvq_{case.type}_nc{ncols}", (case.rows, 1, 1), (32, 4, 1),
+                   (w, x, y, ctypes.c_int32(nblocks), ctypes.c_int32(case.rows),
+                    ctypes.c_int64(nblocks * nbytes), ctypes.c_int64(case.cols // 32), ctypes.c_int64(case.rows)))
+        return np.frombuffer(gpu.read(y, 4 * ncols * case.rows), dtype="<f4").reshape(ncols, case.rows)
+    finally:
+        gpu.free(w, x, y)
 
 
 def selftest(device: Device, index: int, build_dir: Path = DEFAULT_BUILD,
              progress=lambda done, total: None) -> list[dict]:
-    """Every dense kernel (type x ncols) on the GPU against the host body; one row per kernel."""
+    """Every dense kernel (type x ncols) on the GPU against the host body; one row per kernel.
+    The routed-expert `_id` kernels are checked on the host only (CTest, pytest)."""
     gpu = _Gpu(index, code_object(device.arch, build_dir))
     results, total = [], len(TYPES) * len(NCOLS)
     for tname in TYPES:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DflashError, LlamaError
+from .errors import DflashError, LlamaError, ModelError
 
 _L = None            # the llama_cpp module once loaded
 _LIB_DIR: Path | None = None
@@ -20,8 +20,9 @@ _LOG: list[str] = []  # recent llama.cpp warnings/errors, for error messages
 _log_cb = None       # keep the ctypes callback alive
 
 
-def load_library(lib_dir: str | os.PathLike):
-    """Import llama_cpp bound to libllama.so in `lib_dir` (once per process)."""
+def load_library(lib_dir: str | os.PathLike, verbose: bool = False):
+    """Import llama_cpp bound to libllama.so in `lib_dir` (once per process); `verbose` passes
+    llama.cpp's log through to stderr."""
     global _L, _LIB_DIR, _log_cb
     lib_dir = Path(lib_dir).resolve()
     if _L is not None:
@@ -37,13 +38,13 @@ def load_library(lib_dir: str | os.PathLike):
     try:
         _preload_ggml(lib_dir)
         import llama_cpp as L
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, AttributeError) as e:  # AttributeError: a symbol of another version
         raise LlamaError(f"cannot load llama.cpp from {lib_dir}: {e}".splitlines()[0]) from None
 
     @L.llama_log_callback
     def _cb(level, text, user):
         msg = text.decode(errors="replace")
-        if os.environ.get("DFLASH_LLAMA_VERBOSE"):
+        if verbose:
             sys.stderr.write(msg)
         if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
             _LOG.append(msg.strip())
@@ -115,6 +116,10 @@ class Model:
             raise LlamaError(f"llama.cpp could not load {path}: {_last_log()}")
         self.path = str(path)
         self.vocab = L.llama_model_get_vocab(self.ptr)
+        if L.llama_vocab_type(self.vocab) == L.LLAMA_VOCAB_TYPE_NONE:
+            L.llama_model_free(self.ptr)
+            self.ptr = None
+            raise ModelError(f"{path} has no vocabulary (tokenizer model 'none'): it cannot tokenize a prompt")
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.ptr)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from . import devices as D
 from .errors import DflashError
+from .settings import ENV_LIB_DIR
 
 
 @dataclass
@@ -54,7 +55,9 @@ def configurations(threads=(1, 2), libs=("exact", "stock")) -> tuple[list[Config
 def run_config(cfg: Config, passthrough: list[str]) -> Row:
     cmd = [sys.executable, "-m", "dflash", "prefill", "--compare-q1", "--json", "--bands",
            "--lib", cfg.lib, "--threads", str(cfg.threads), "--device", cfg.device, *passthrough]
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    # DFLASH_LLAMA_LIB_DIR (e.g. a HIP build) stands for the exact library only
+    drop = {"LLAMA_CPP_LIB_PATH"} | ({ENV_LIB_DIR} if cfg.lib != "exact" else set())
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     try:
         data = json.loads(r.stdout) if r.stdout.strip() else {}

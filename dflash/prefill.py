@@ -83,7 +83,7 @@ def run(ctx, req: Request, progress: Progress = _noop,
                          if req.logits == "all" or b.end == n else "none")
         if out is not None:
             if req.logits == "all":
-                h.update(out.astype("<f4", copy=False).tobytes())
+                h.update(np.ascontiguousarray(out, dtype="<f4"))  # no copy on little-endian hosts
                 if kept is not None:
                     kept[b.start:b.end] = out
             last = out[-1]
@@ -92,7 +92,7 @@ def run(ctx, req: Request, progress: Progress = _noop,
         progress(b.end, n)
     prefill_s = time.perf_counter() - t0
     if req.logits == "last" and last is not None:
-        h.update(last.astype("<f4", copy=False).tobytes())
+        h.update(np.ascontiguousarray(last, dtype="<f4"))
 
     response: list[int] = []
     t1 = time.perf_counter()

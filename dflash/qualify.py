@@ -45,10 +45,12 @@ ROUTING_NODE = re.compile(r"ffn_moe_(topk|weights_scaled)-(\d+)")
 ROUTING_FIELD = {"topk": "expert_ids", "weights_scaled": "weights"}
 
 
-def default_resume_point(n_tokens: int) -> int:
-    """The first position p > n/3 with p % 4 != 0 and p % 128 != 0."""
+def default_resume_point(n_tokens: int, ratios: Iterable[int] = (4, 128)) -> int:
+    """The first position p > n/3 aligned to no compress ratio (p % 4 != 0 and p % 128 != 0 on
+    DeepSeek V4)."""
+    rs = B.positive_ratios(ratios)
     p = n_tokens // 3 + 1
-    while p % 4 == 0 or p % 128 == 0:
+    while any(p % r == 0 for r in rs):
         p += 1
     return p
 
@@ -185,12 +187,13 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
     ws = sorted({1, *widths})
     if ws[0] < 1:
         raise UsageError(f"--widths must be >= 1, got {ws[0]}")
-    resume_at = default_resume_point(n) if resume_at is None else resume_at
+    resume_at = default_resume_point(n, eng.info.compress_ratios) if resume_at is None else resume_at
     if not 0 < resume_at < n:
         raise UsageError(f"the resume point {resume_at} must be inside the prompt (1..{n - 1}); "
                          f"the prompt has {n} tokens")
     plans = {w: eng.request_bands(n, resume_at, cap=w, bands_on=True) for w in ws}
-    fixed = {w: B.fixed_bands(resume_at, w) + B.fixed_bands(n - resume_at, w, start=resume_at)
+    m = eng.settings.mmvq_max_ncols
+    fixed = {w: B.fixed_bands(resume_at, w, mmvq_max_ncols=m) + B.fixed_bands(n - resume_at, w, resume_at, m)
              for w in ws if w > 1}
     cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans)
     if cov["missing"]:
@@ -239,15 +242,14 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
     return report, {"requests": requests, "exact_requests": [q for q in requests if q["exact"]]}
 
 
-def write_evidence(directory, records: dict[str, dict], report: dict, requests: dict):
-    """Seal provenance records, results.json and requests.json; returns (dir, manifest sha256)."""
-    from .evidence import EvidenceWriter
-    with EvidenceWriter(directory, "qualify") as ev:
-        for name, rec in records.items():
-            ev.write_json(name, rec)
-        ev.write_json("results.json", report)
-        ev.write_json("requests.json", requests)
-        ev.add_hash_check("requests.json", "requests", "prompt_sha256")
-        ev.add_hash_check("requests.json", "exact_requests", "logits_sha256")
-        ev.add_hash_check("requests.json", "exact_requests", "response_sha256")
-        return ev.commit()
+def write_evidence(ev, records: dict[str, dict], report: dict, requests: dict):
+    """Fill an open EvidenceWriter with provenance records, results.json and requests.json and
+    commit it; returns (dir, manifest sha256)."""
+    for name, rec in records.items():
+        ev.write_json(name, rec)
+    ev.write_json("results.json", report)
+    ev.write_json("requests.json", requests)
+    ev.add_hash_check("requests.json", "requests", "prompt_sha256")
+    ev.add_hash_check("requests.json", "exact_requests", "logits_sha256")
+    ev.add_hash_check("requests.json", "exact_requests", "response_sha256")
+    return ev.commit()

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 from . import __version__, build, llama
 from .build import REPO_ROOT
 from .engine import Engine
 from .devices import cpu_model
-from .evidence import sha256_file
-from .settings import ENV_BANDS, ENV_LIB_DIR, ENV_MMVQ
+from .evidence import default_dir, sha256_file
 
 
 def machine_facts() -> dict:
@@ -38,6 +39,35 @@ def git_revision(repo_root: str | os.PathLike) -> str | None:
     return head.strip() + ("-dirty" if status is None or status.strip() else "")
 
 
+def file_sha256(path: str) -> str:
+    """SHA-256 of a (possibly very large) model file, remembered by path, size and mtime in the
+    user cache so repeated runs do not re-read tens of gigabytes."""
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    store = build.cache_root() / "sha256-cache.json"
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = sha256_file(path)
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = store.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, store)
+        except OSError:
+            pass  # a read-only cache only costs the re-hash next time
+    return known[key]
+
+
+def default_evidence_dir(kind: str) -> Path:
+    """A new evidence/runs/<kind>-<time>-<id> under the checkout, or under the working directory
+    when dflash runs from an installed package."""
+    root = REPO_ROOT if (REPO_ROOT / "evidence").is_dir() else Path.cwd()
+    return default_dir(root / "evidence" / "runs", kind)
+
+
 def library_identity() -> dict:
     return {"dir": str(llama.library_dir()), "llama_cpp_python": build.LLAMA_CPP_PYTHON_VERSION,
             "llama_cpp_commit": build.LLAMA_CPP_COMMIT,
@@ -52,7 +82,7 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
         "command.json": {"argv": list(sys.argv if argv is None else argv), "cwd": os.getcwd(),
                          "dflash_version": __version__, "git_revision": git_revision(REPO_ROOT)},
         "library.json": library_identity(),
-        "model.json": {"path": eng.info.path, "sha256": sha256_file(eng.info.path),
+        "model.json": {"path": eng.info.path, "sha256": file_sha256(eng.info.path),
                        "bytes": eng.info.file_size, "architecture": eng.info.architecture,
                        "compress_ratios": list(eng.info.compress_ratios),
                        "sliding_window": eng.info.sliding_window,
@@ -63,7 +93,7 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
                           "mmvq_max_ncols": s.mmvq_max_ncols, "bands_from": s.bands_from,
                           "threads": eng.threads, "flash_attn": "off" if eng.exact else "auto",
                           "extra_buffer_types": not eng.exact,
-                          "env": {k: os.environ[k] for k in (ENV_BANDS, ENV_MMVQ, ENV_LIB_DIR)
-                                  if k in os.environ}},
+                          "mmvq_from": s.mmvq_from, "env_as_given": dict(s.env_raw),
+                          "env_exported": s.env_flags()},
         "machine.json": machine_facts(),
     }

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from dflash import tiny_model
+from dflash.settings import ENV_DEBUG, ENV_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
+# a developer's own flags must not change what the tests run (the tests set what they need)
+CLEAN_ENV = (*ENV_FLAGS, ENV_DEBUG, "LLAMA_CPP_LIB_PATH")
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +24,7 @@ def tiny_models(tmp_path_factory):
 
 def run_dflash(*args, env=None, check=False):
     """Run `python -m dflash` in a fresh process (one llama.cpp library per process)."""
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("DFLASH_DS4_EXACT_PREFILL_BANDS", "LUCE_MMVQ_MAX_NCOLS", "LLAMA_CPP_LIB_PATH")}
+    full_env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
     full_env.update(env or {})
     r = subprocess.run([sys.executable, "-m", "dflash", *map(str, args)], capture_output=True,
                        text=True, env=full_env, cwd=ROOT, timeout=900)

@@ -56,6 +56,17 @@ def assert_one_line_error(r, code, *needles):
     (["prefill", "--model", "/tmp"], {}, 1, "directory"),
     (["prefill"], {"LUCE_MMVQ_MAX_NCOLS": "four"}, 2, "LUCE_MMVQ_MAX_NCOLS"),
     (["nonsense-command"], {}, 2, "No such command"),
+    (["prefill", "--threads", "0"], {}, 2, "--threads"),
+    (["prefill", "--chunk", "9"], {}, 2, "--chunk"),
+    (["prefill", "--compare-q1"], {}, 2, "--compare-q1"),
+    (["prefill", "--prompt-file", "/tmp"], {}, 2, "is a directory"),
+    (["prefill", "--resume-at", "100000"], {}, 2, "--resume-at"),
+    (["prefill"], {"DFLASH_LLAMA_LIB_DIR": "/tmp"}, 2, "has no libllama.so"),
+    (["prefill", "--lib", "stock"], {"DFLASH_LLAMA_LIB_DIR": "/tmp"}, 2, "--lib stock"),
+    (["prefill"], {"DFLASH_LLAMA_VERBOSE": "loud"}, 2, "DFLASH_LLAMA_VERBOSE"),
+    (["bench", "--evidence", "/proc/no/such/ev"], {}, 1, "cannot create evidence directory"),
+    (["matrix", "--chunk", "9"], {}, 2, "--chunk"),
+    (["kernels", "selftest", "--device", "cpu"], {}, 2, "one HIP device"),
 ])
 def test_errors_are_one_line(args, env, code, needle):
     assert_one_line_error(run_dflash(*args, env=env), code, needle)
@@ -89,3 +100,20 @@ def test_cli_py_matches_console_script():
     r = subprocess.run([sys.executable, "cli.py", "plan", "--n-tokens", "3", "--json"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0 and json.loads(r.stdout)["widths"] == [1, 1, 1]
+
+
+def test_prompt_file_not_utf8(tmp_path):
+    p = tmp_path / "latin1.txt"
+    p.write_bytes("caf\xe9 ".encode("latin-1") * 10)
+    assert_one_line_error(run_dflash("prefill", "--prompt-file", p), 2, "cannot read prompt file")
+
+
+def test_model_without_vocabulary(tmp_path):
+    import gguf
+    import numpy as np
+    p = tmp_path / "novocab.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("none")
+    w.add_tensor("x", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert_one_line_error(run_dflash("prefill", "--model", p), 1, "no vocabulary")

@@ -68,7 +68,7 @@ def test_different_input_changes_the_hashes(exact_engines):
     assert a.logits_sha256 != b.logits_sha256
 
 
-@pytest.mark.parametrize("weights", ["f32", "q8_0"])
+@pytest.mark.parametrize("weights", tiny_model.WEIGHTS)
 def test_stock_build_differs_from_q1(tiny_models, weights):
     """llamafile sgemm serves widths >= 2 on the stock build: the same check must fail there."""
     r = run_dflash("prefill", "--model", tiny_models[weights], "--lib", "stock", "--bands", "--chunk", "4",

@@ -54,3 +54,19 @@ def test_chunk_range_in_band_mode(chunk):
 def test_unknown_lib():
     with pytest.raises(UsageError, match="--lib"):
         S.resolve({}, lib="fast")
+
+
+def test_ceiling_above_eight_is_eight_like_the_hip_library():
+    assert S.resolve({S.ENV_MMVQ: "12"}).mmvq_max_ncols == 8
+
+
+def test_raw_flags_are_kept_and_effective_ones_exported():
+    s = S.resolve({S.ENV_BANDS: "yes", S.ENV_MMVQ: "0", "UNRELATED": "x"})
+    assert dict(s.env_raw) == {S.ENV_BANDS: "yes", S.ENV_MMVQ: "0"}
+    assert s.env_flags() == {S.ENV_BANDS: "1", S.ENV_MMVQ: "8"}
+
+
+def test_verbose_and_debug_flags():
+    assert S.resolve({S.ENV_VERBOSE: "on"}).verbose and not S.resolve({}).verbose
+    assert S.debug_flag({S.ENV_DEBUG: "1"}) and not S.debug_flag({S.ENV_DEBUG: "false"})
+    assert not S.debug_flag({})

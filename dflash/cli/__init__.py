@@ -4,12 +4,12 @@ Exit codes: 0 ok, 1 runtime error (or a failed check), 2 usage error, 3 no GPU d
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
 from ..errors import DflashError
+from ..settings import debug_flag
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -38,7 +38,7 @@ def _fail(kind: str, msg: str, code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
+    debug = "--debug" in args or debug_flag()
     try:
         rv = cli.main(args=args, prog_name="dflash", standalone_mode=False)
     except click.exceptions.Abort:

@@ -9,24 +9,10 @@ from rich.table import Table
 from .. import bench as Bn
 from .. import engine as E
 from .. import evidence, records
-from ..build import REPO_ROOT
-from ..errors import DflashError, UsageError
+from ..errors import DflashError
 from . import output
 from .options import device_option, lib_option, model_option, prompt_options, settings_from, threads_option
 from .. import settings as S
-
-
-def write_evidence(dest: Path, eng, prompt, tokens, samples, widths, summary, options) -> tuple[Path, str]:
-    with evidence.EvidenceWriter(dest, "bench") as w:
-        for name, rec in records.provenance(eng, None, prompt, tokens).items():
-            w.write_json(name, rec)
-        w.write_json("options.json", options)
-        w.write_json("schedules.json", widths)
-        w.write_json("requests.json", Bn.requests_record(samples))
-        w.write_json("summary.json", summary)
-        w.add_hash_check("requests.json", "requests", "response_sha256")
-        w.add_hash_check("requests.json", "requests", "logits_sha256")
-        return w.commit()
 
 
 @click.command("bench")
@@ -51,20 +37,21 @@ def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, ru
     Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
     s = settings_from(True, chunk, lib)  # the candidate arm is a band schedule whatever the env says
     text = E.read_prompt(prompt, prompt_file)
-    dest = Path(evidence_dir) if evidence_dir else evidence.default_dir(REPO_ROOT / "evidence" / "runs", "bench")
-    if dest.exists():
-        raise UsageError(f"evidence directory already exists: {dest}")
+    dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("bench")
+    for w in s.warnings():
+        output.warn(w)
     eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
     tokens = eng.tokenize(text)
-    eng.context_size(len(tokens), n_predict, None)
-    with output.progress_bar("bench") as progress:
-        samples, widths = Bn.run(eng, tokens, chunk=chunk, warmup=warmup, runs=runs, interleave=interleave,
-                                 n_predict=n_predict, logits=logits_mode, progress=progress)
-    summary = Bn.summarize(samples)
-    options = {"chunk": chunk, "warmup": warmup, "runs": runs, "interleave": interleave,
-               "n_predict": n_predict, "logits": logits_mode, "lib": lib, "threads": eng.threads,
-               "n_prompt_tokens": len(tokens), "device": device}
-    path, manifest_sha = write_evidence(dest, eng, text, tokens, samples, widths, summary, options)
+    with evidence.EvidenceWriter(dest, "bench") as writer:  # a bad --evidence fails before the runs
+        with output.progress_bar("bench") as progress:
+            samples, widths = Bn.run(eng, tokens, warmup=warmup, runs=runs, interleave=interleave,
+                                     n_predict=n_predict, logits=logits_mode, progress=progress)
+        summary = Bn.summarize(samples)
+        options = {"chunk": chunk, "warmup": warmup, "runs": runs, "interleave": interleave,
+                   "n_predict": n_predict, "logits": logits_mode, "lib": lib, "threads": eng.threads,
+                   "n_prompt_tokens": len(tokens), "device": device}
+        path, manifest_sha = Bn.write_evidence(writer, records.provenance(eng, None, text, tokens), options,
+                                               samples, widths, summary)
     result = {**summary, "n_prompt_tokens": len(tokens), "threads": eng.threads, "library": lib,
               "evidence_dir": str(path), "manifest_sha256": manifest_sha}
     if as_json:

@@ -10,12 +10,15 @@ from . import output
 @click.command("build")
 @click.option("--lib", "libs", type=click.Choice(build.FLAVORS), multiple=True,
               help="Flavor(s) to build [default: exact and stock].")
+@click.option("--gpu", type=click.Choice(["none", "hip"]), default="none", show_default=True,
+              help="hip: the ggml HIP backend with dflash's narrow kernels (needs ROCm >= 6.1); "
+                   "use the printed folder as DFLASH_LLAMA_LIB_DIR.")
 @click.option("--json", "as_json", is_flag=True)
-def command(libs, as_json):
+def command(libs, gpu, as_json):
     """Build the exact and stock llama.cpp libraries (cached, keyed by their inputs)."""
     done = {}
     for flavor in libs or build.FLAVORS:
-        done[flavor] = str(build.build_library(flavor, log=output.note))
+        done[flavor] = str(build.build_library(flavor, gpu, log=output.note))
     if as_json:
         output.emit_json(done)
     else:

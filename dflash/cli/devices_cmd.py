@@ -9,7 +9,7 @@ from rich.table import Table
 
 from .. import devices as D
 from .. import kernel_selftest as K
-from ..errors import DflashError, NoDeviceError
+from ..errors import DflashError, UsageError
 from . import output
 
 
@@ -43,12 +43,13 @@ def kernels_group():
               help="Where cmake put the code objects and dflash_mmvq_host.")
 @click.option("--json", "as_json", is_flag=True)
 def selftest_command(device, build_dir, as_json):
-    """Run every kernel on the GPU and compare with the host body bit for bit.
+    """Run every dense kernel (4 types x ncols 1..4) on the GPU and compare with the host body bit
+    for bit. (The routed-expert `_id` kernels are not in the self-test yet.)
 
     Exit 0 all identical, 1 a difference or failure, 3 no HIP device."""
     ids = D.parse_device(device)
-    if not ids:
-        raise NoDeviceError("the kernel self-test needs a HIP device (--device hip:N)")
+    if len(ids) != 1:
+        raise UsageError(f"--device {device!r}: the kernel self-test runs on one HIP device (hip:N)")
     dev = D.require_hip(ids[:1])[0]
     with output.progress_bar("selftest") as progress:
         rows = K.selftest(dev, ids[0], build_dir, progress)

@@ -15,7 +15,7 @@ from .. import settings as S
 from .. import trace as T
 from ..errors import UsageError
 from . import output
-from .options import lib_option, model_option, prompt_options, threads_option
+from .options import lib_option, model_option, prompt_options, settings_from, threads_option
 
 
 def traced_run(eng: E.Engine, tap, tokens: list[int], widths: list[int],
@@ -89,7 +89,7 @@ def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threa
         except re.error as e:
             raise UsageError(f"--ignore {ignore!r} is not a regular expression: {e}") from None
     text = E.read_prompt(prompt, prompt_file)
-    s = S.resolve(bands=True, chunk=S.MAX_BAND, lib=lib)
+    s = settings_from(True, S.MAX_BAND, lib)
     eng = E.open_engine(s, model, threads=threads, weights=weights, log=output.note)
     tokens = eng.tokenize(text)[:n_tokens]
     wa = T.parse_schedule(spec_a, len(tokens), eng.info.compress_ratios)

@@ -7,6 +7,7 @@ from rich.table import Table
 from .. import matrix as M
 from ..errors import DflashError
 from . import output
+from .options import settings_from
 
 
 @click.command("matrix")
@@ -19,6 +20,7 @@ def command(model, prompt_file, chunk, n_predict, as_json):
     """Compare q1 and band fingerprints across CPU threads, exact/stock builds and GPUs.
 
     Exits 1 when any exact-library configuration differs from the reference."""
+    settings_from(True, chunk)  # a bad --chunk or env flag fails here, not in every row
     passthrough = ["--chunk", str(chunk), "--n-predict", str(n_predict)]
     if model:
         passthrough += ["--model", model]

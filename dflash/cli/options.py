@@ -43,5 +43,5 @@ def run_options(f):
     return click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4].")(f)
 
 
-def settings_from(bands, chunk, lib="exact", max_chunk=S.MAX_BAND) -> S.Settings:
-    return S.resolve(bands=bands, chunk=chunk, lib=lib, max_chunk=max_chunk)
+def settings_from(bands, chunk, lib="exact") -> S.Settings:
+    return S.resolve(bands=bands, chunk=chunk, lib=lib)

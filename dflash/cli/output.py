@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from typing import Any, Iterator
 
@@ -15,8 +16,19 @@ err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() els
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
+def _finite(obj: Any) -> Any:
+    """NaN and infinities become null: the output stays valid JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+    click.echo(json.dumps(_finite(obj), indent=2, allow_nan=False))
 
 
 def note(msg: str) -> None:

@@ -6,7 +6,8 @@ import click
 from .. import bands as B
 from .. import engine as E
 from .. import prefill as P
-from ..errors import DflashError
+from ..errors import DflashError, UsageError
+from ..settings import ENV_BANDS
 from . import output
 from .options import device_option, model_option, prompt_options, run_options, settings_from
 
@@ -47,6 +48,9 @@ def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_p
             resume_at, logits_mode, device, compare_q1, as_json):
     """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints."""
     s = settings_from(bands, chunk, lib)
+    if compare_q1 and not s.bands:
+        raise UsageError(f"--compare-q1 compares a band schedule with q1, but bands are off "
+                         f"(set {ENV_BANDS}=1 or pass --bands)")
     text = E.read_prompt(prompt, prompt_file)
     for w in s.warnings():
         output.warn(w)
@@ -55,13 +59,18 @@ def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_p
     n_ctx = eng.context_size(len(tokens), n_predict, ctx)
     bands_ = eng.request_bands(len(tokens), resume_at)
     c = eng.context(n_ctx, max(b.width for b in bands_))
-    with output.progress_bar("prefill", enabled=len(tokens) >= 256) as progress:
-        r = P.run(c, P.Request(tokens, bands_, n_predict, logits_mode), progress)
+    try:
+        with output.progress_bar("prefill", enabled=len(tokens) >= 256) as progress:
+            r = P.run(c, P.Request(tokens, bands_, n_predict, logits_mode), progress)
+        q1 = None
+        if compare_q1:
+            q1 = P.run(c, P.Request(tokens, eng.request_bands(len(tokens), resume_at, bands_on=False),
+                                    n_predict, logits_mode))
+    finally:
+        c.close()
     d = result_dict(eng, r, n_ctx)
     same = None
-    if compare_q1:
-        q1 = P.run(c, P.Request(tokens, eng.request_bands(len(tokens), resume_at, bands_on=False),
-                                n_predict, logits_mode))
+    if q1 is not None:
         same = (q1.logits_sha256, q1.response_sha256) == (r.logits_sha256, r.response_sha256)
         d["q1"] = {"logits_sha256": q1.logits_sha256, "response_sha256": q1.response_sha256,
                    "prefill_seconds": q1.prefill_seconds,

@@ -12,11 +12,10 @@ from .. import llama
 from .. import qualify as Q
 from .. import records
 from .. import settings as S
-from ..build import REPO_ROOT
 from ..errors import UsageError
-from ..evidence import default_dir
+from ..evidence import EvidenceWriter
 from . import output
-from .options import device_option, lib_option, model_option, prompt_options, threads_option
+from .options import device_option, lib_option, model_option, prompt_options, settings_from, threads_option
 
 
 def parse_widths(text: str) -> list[int]:
@@ -64,16 +63,15 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries."""
     ws = parse_widths(widths)
     text = E.read_prompt(prompt, prompt_file)
-    s = S.resolve(bands=True, chunk=S.MAX_BAND, lib=lib)
+    s = settings_from(True, S.MAX_BAND, lib)
     eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
     tokens = eng.tokenize(text)
-    target = evidence_dir or default_dir(REPO_ROOT / "evidence" / "runs", "qualify")
-    if target.exists():
-        raise UsageError(f"evidence directory already exists: {target}")
+    target = evidence_dir or records.default_evidence_dir("qualify")
     tap = llama.GraphTap(lambda name: Q.ROUTING_NODE.fullmatch(name) is not None)
-    with output.progress_bar("qualify", enabled=not as_json) as bar:
-        report, requests = Q.qualify(eng, tap, tokens, ws, resume_at, n_predict, bar)
-    directory, sha = Q.write_evidence(target, records.provenance(eng, None, text, tokens), report, requests)
+    with EvidenceWriter(target, "qualify") as writer:  # a bad --evidence fails before the runs
+        with output.progress_bar("qualify", enabled=not as_json) as bar:
+            report, requests = Q.qualify(eng, tap, tokens, ws, resume_at, n_predict, bar)
+        directory, sha = Q.write_evidence(writer, records.provenance(eng, None, text, tokens), report, requests)
     report.update(evidence_dir=str(directory), manifest_sha256=sha)
     if as_json:
         output.emit_json(report)

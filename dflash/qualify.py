@@ -140,19 +140,29 @@ class Run:
     routing: T.Trace
 
 
-def run_schedule(eng, tap, label: str, width: int, tokens: list[int], bands: list[B.Band],
-                 n_predict: int, progress=lambda done, total: None) -> Run:
-    """One cache-cold request on a fresh context, with the routing nodes of every band tapped."""
+def traced_request(eng, tap, tokens: list[int], bands: list[B.Band], n_predict: int,
+                   progress=lambda done, total: None, strict: bool = True) -> tuple[P.Result, T.Trace]:
+    """One request on a fresh context with every band's tapped nodes recorded per position.
+
+    A fresh context per schedule means cache cells not yet written (masked, but visible in
+    nodes such as kq) hold the same bytes in both runs rather than the previous run's values."""
     ctx = eng.context(eng.context_size(len(tokens), n_predict, None), max(b.width for b in bands),
                       eval_callback=tap.callback)
     trace = T.new_trace(len(tokens))
     tap.take()
     try:
         r = P.run(ctx, P.Request(tokens, bands, n_predict, keep_logits=True), progress,
-                  on_band=lambda b: T.add_decode(trace, tap.take(), b.start, b.width, strict=False))
+                  on_band=lambda b: T.add_decode(trace, tap.take(), b.start, b.width, strict))
     finally:
         tap.take()  # drop the response decodes' nodes
         ctx.close()
+    return r, trace
+
+
+def run_schedule(eng, tap, label: str, width: int, tokens: list[int], bands: list[B.Band],
+                 n_predict: int, progress=lambda done, total: None) -> Run:
+    """One cache-cold request with the routing nodes of every band tapped."""
+    r, trace = traced_request(eng, tap, tokens, bands, n_predict, progress, strict=False)
     return Run(label, width, bands, r, trace)
 
 

@@ -11,27 +11,12 @@ from .. import bands as B
 from .. import engine as E
 from .. import llama
 from .. import prefill as P
+from .. import qualify as Q
 from .. import settings as S
 from .. import trace as T
 from ..errors import UsageError
 from . import output
 from .options import lib_option, model_option, prompt_options, settings_from, threads_option
-
-
-def traced_run(eng: E.Engine, tap, tokens: list[int], widths: list[int],
-               progress=lambda done, total: None) -> tuple[P.Result, T.Trace]:
-    """Prefill `tokens` in the given widths (no response), tapping every node of every decode.
-
-    Each schedule gets a fresh context, so cache cells not yet written (masked, but visible in
-    nodes such as kq) hold the same bytes in both runs rather than the previous run's values."""
-    trace = T.new_trace(len(tokens))
-    ctx = eng.context(eng.context_size(len(tokens), 0, None), max(widths), eval_callback=tap.callback)
-    tap.take()
-    r = P.run(ctx, P.Request(tokens, B.from_widths(widths), n_predict=0, keep_logits=True), progress,
-              on_band=lambda b: T.add_decode(trace, tap.take(), b.start, b.width))
-    tap.take()
-    ctx.close()
-    return r, trace
 
 
 def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: P.Result, rb: P.Result,
@@ -96,8 +81,8 @@ def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threa
     wb = T.parse_schedule(spec_b, len(tokens), eng.info.compress_ratios)
     tap = llama.GraphTap(lambda name: True)
     with output.progress_bar("trace", enabled=not as_json) as bar:
-        ra, ta = traced_run(eng, tap, tokens, wa, lambda d, n: bar(d, 2 * n))
-        rb, tb = traced_run(eng, tap, tokens, wb, lambda d, n: bar(n + d, 2 * n))
+        ra, ta = Q.traced_request(eng, tap, tokens, B.from_widths(wa), 0, lambda d, n: bar(d, 2 * n))
+        rb, tb = Q.traced_request(eng, tap, tokens, B.from_widths(wb), 0, lambda d, n: bar(n + d, 2 * n))
     rep = diff_report(spec_a, spec_b, wa, wb, ra, rb, T.compare(ta, tb, ignore), show)
     rep.update(model=eng.info.path, library=lib, threads=eng.threads, ignore=ignore)
     if as_json:

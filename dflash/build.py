@@ -154,7 +154,8 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
             if r.returncode != 0:
                 keep = cache_root() / f"build-{flavor}-failed.log"
                 shutil.copyfile(work / "build.log", keep)
-                raise DflashError(f"llama.cpp {flavor} build failed (rc={r.returncode}); log: {keep}")
+                hint = "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler" if gpu == "hip" else ""
+                raise DflashError(f"llama.cpp {flavor} build failed (rc={r.returncode}){hint}; log: {keep}")
         if not (staging / "lib" / "libllama.so").is_file():
             raise DflashError(f"llama.cpp {flavor} build produced no libllama.so")
         dest.parent.mkdir(parents=True, exist_ok=True)

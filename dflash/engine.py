@@ -147,7 +147,7 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} must be >= 1")
     lib_dir = library_dir(settings, log)
-    os.environ.update(settings.env_flags())  # the library's narrow path sees dflash's ceiling
+    os.environ.update(settings.library_env())  # the library's narrow path sees dflash's ceiling
     llama.load_library(lib_dir, verbose=settings.verbose)
     placement = gpu_placement(gpu_ids)
     model = llama.Model(path, exact=settings.lib == "exact", **placement)

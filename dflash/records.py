@@ -94,6 +94,6 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
                           "threads": eng.threads, "flash_attn": "off" if eng.exact else "auto",
                           "extra_buffer_types": not eng.exact,
                           "mmvq_from": s.mmvq_from, "env_as_given": dict(s.env_raw),
-                          "env_exported": s.env_flags()},
+                          "env_exported": s.library_env()},
         "machine.json": machine_facts(),
     }

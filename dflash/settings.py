@@ -74,9 +74,9 @@ class Settings:
         """Bands wider than the narrow ceiling go to batched kernels."""
         return self.cap > self.mmvq_max_ncols
 
-    def env_flags(self) -> dict[str, str]:
-        """The effective flags, as exported to llama.cpp's process."""
-        return {ENV_BANDS: "1" if self.bands else "0", ENV_MMVQ: str(self.mmvq_max_ncols)}
+    def library_env(self) -> dict[str, str]:
+        """What llama.cpp's process must see: the effective narrow ceiling (a HIP build reads it)."""
+        return {ENV_MMVQ: str(self.mmvq_max_ncols)}
 
     def warnings(self) -> list[str]:
         if self.leaves_narrow_path:

@@ -63,7 +63,7 @@ def test_ceiling_above_eight_is_eight_like_the_hip_library():
 def test_raw_flags_are_kept_and_effective_ones_exported():
     s = S.resolve({S.ENV_BANDS: "yes", S.ENV_MMVQ: "0", "UNRELATED": "x"})
     assert dict(s.env_raw) == {S.ENV_BANDS: "yes", S.ENV_MMVQ: "0"}
-    assert s.env_flags() == {S.ENV_BANDS: "1", S.ENV_MMVQ: "8"}
+    assert s.library_env() == {S.ENV_MMVQ: "8"}
 
 
 def test_verbose_and_debug_flags():

@@ -1,9 +1,12 @@
-# Build llama.cpp's shared libraries from DFLASH_LLAMA_SRC with the options exactness needs.
+# Build llama.cpp's shared libraries from DFLASH_LLAMA_SRC (a private copy: the patches edit it).
 #
-# exact: GGML_LLAMAFILE=OFF (tinyBLAS serves only widths >= 2, so q1 and bands would run different
-#        kernels) and GGML_CPU_REPACK=OFF (repacked Q4_0/IQ4_NL use a 4-column GEMM for some widths).
-#        The runner also turns flash attention and extra buffer types off at run time.
-# stock: llama.cpp's defaults, kept for comparison (`dflash prefill --lib stock`).
+# Both flavors keep llama.cpp's build options (GGML_NATIVE, llamafile, repacking, AMX). The patch
+# set (cpu_kernels/patches) decides the flavor:
+# exact: common + exact patches: every weight type runs one kernel family at every batch width
+#        (tinyBLAS for n = 1 too, the tiled K-quant kernels for every row count, no Q2_K repack).
+#        The runner turns flash attention off at run time.
+# stock: common patches only (fixes a build needs to run at all): llama.cpp's defaults, kept for
+#        comparison (`--lib stock`).
 include(ExternalProject)
 
 if(NOT EXISTS "${DFLASH_LLAMA_SRC}/CMakeLists.txt")
@@ -31,20 +34,17 @@ set(_llama_args
   -DLLAMA_OPENSSL=OFF
   -DGGML_NATIVE=ON
 )
-if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
-  list(APPEND _llama_args -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF)
-endif()
-
-set(_llama_patch "")
+set(_llama_patch ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR> -DFLAVOR=${DFLASH_LLAMA_FLAVOR}
+    -DREPO=${CMAKE_CURRENT_SOURCE_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/cmake/apply_patches.cmake)
 if(DFLASH_GPU STREQUAL "hip")
   # ROCm's clang must be the HIP compiler; CMAKE_HIP_PLATFORM=amd keeps nvcc on PATH from winning.
   # GPU_TARGETS is a list: pass it with '|' as the separator ExternalProject turns back into ';'.
   string(REPLACE ";" "|" _gpu_targets "${GPU_TARGETS}")
   list(APPEND _llama_args -DGGML_HIP=ON "-DGPU_TARGETS=${_gpu_targets}" -DCMAKE_HIP_PLATFORM=amd)
   if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
-    set(_llama_patch ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR>
-        -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
-        -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
+    list(APPEND _llama_patch COMMAND ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR>
+         -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
+         -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
   endif()
 endif()
 

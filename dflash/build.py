@@ -27,7 +27,9 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098"
 FLAVORS = ("exact", "stock")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake")
+_KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
+_PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact"),
+               "stock": ("cpu_kernels/patches/common",)}  # the patch set each flavor applies
 
 Log = Callable[[str], None]
 
@@ -62,8 +64,8 @@ def build_key(flavor: str, gpu: str = "none") -> str:
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    if gpu == "hip":
-        for p in sorted((REPO_ROOT / "hip_kernels").rglob("*")):
+    for d in _PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu == "hip" else ()):
+        for p in sorted((REPO_ROOT / d).rglob("*")):
             if p.is_file():
                 h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes())
     h.update(_host_fingerprint().encode())
@@ -138,9 +140,10 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
     dest = install_dir(flavor, gpu)
     work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-", dir=cache_root()))
     staging = work / "install"
-    if gpu != "none":
-        # the HIP build patches its source: give it a private copy, never the shared tree
-        src = Path(shutil.copytree(src, work / "llama.cpp", symlinks=True))
+    # every build patches its source (cpu_kernels/patches, and hip_kernels for HIP): give it a
+    # private copy, never the shared tree
+    src = Path(shutil.copytree(src, work / "llama.cpp", symlinks=True,
+                               ignore=shutil.ignore_patterns(".git")))
     configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"),
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",

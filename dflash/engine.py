@@ -14,6 +14,7 @@ from . import bands as B
 from . import build, devices, gguf_meta, llama, tiny_model
 from .errors import DflashError, UsageError
 from .settings import Settings
+from .settings import resolve as resolve_settings
 
 Log = Callable[[str], None]
 
@@ -25,10 +26,11 @@ DEFAULT_PROMPT = " ".join(
 
 
 def resolve_model(path: str | None, weights: str = tiny_model.DEFAULT_WEIGHTS) -> Path:
-    """The model to run: the given path, or the built-in tiny model (written on first use)."""
+    """The model to run: the given path, or the built-in tiny model (written on first use; the
+    K-quant presets need the llama.cpp library loaded, its quantizer makes them)."""
     if path:
         return Path(path)
-    return tiny_model.ensure(tiny_model.TinyConfig(weights=weights))
+    return tiny_model.ensure(tiny_model.TinyConfig(weights=weights), quantize=llama.quantize)
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
@@ -63,6 +65,25 @@ def library_dir(settings: Settings, log: Log = lambda s: None) -> Path:
             raise UsageError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
         return d
     return build.build_library(settings.lib, log=log)
+
+
+def load_library(settings: Settings, log: Log = lambda s: None) -> Path:
+    """Load the settings' llama.cpp library into this process (built on first use)."""
+    lib_dir = library_dir(settings, log)
+    os.environ.update(settings.library_env())  # the library's narrow path sees dflash's ceiling
+    llama.load_library(lib_dir, verbose=settings.verbose)
+    return lib_dir
+
+
+def write_tiny_model(cfg: tiny_model.TinyConfig, out: str | None = None, settings: Settings | None = None,
+                     log: Log = lambda s: None) -> Path:
+    """The built-in model at `out`, or in the user cache (reused). K-quant presets load the
+    llama.cpp library first (the exact one unless `settings` say otherwise): its quantizer makes them."""
+    if tiny_model.needs_quantizer(cfg.weights):
+        load_library(settings or resolve_settings(lib="exact"), log)
+    if out:
+        return tiny_model.write(out, cfg, llama.quantize)
+    return tiny_model.ensure(cfg, llama.quantize)
 
 
 @dataclass
@@ -102,14 +123,19 @@ class Engine:
         return need
 
     def context(self, n_ctx: int, max_band: int, eval_callback=None) -> llama.Context:
-        return llama.Context(self.model, n_ctx, self.threads, flash_attn=False if self.exact else None,
+        # flash attention as llama.cpp chooses it (auto) in both flavors: the exact library's CPU
+        # kernel runs every query row the same way at every width (cpu_kernels/README.md)
+        return llama.Context(self.model, n_ctx, self.threads, flash_attn=None,
                              max_band=max_band, eval_callback=eval_callback)
 
     def plan(self, n_tokens: int, start: int = 0, cap: int | None = None,
              bands_on: bool | None = None) -> list[B.Band]:
         s = self.settings
+        on = s.bands if bands_on is None else bands_on
+        if on and cap is None and s.fixed:  # a record proved bands of this width across boundaries
+            return B.fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
         return B.plan(n_tokens, start, self.info.compress_ratios, cap if cap is not None else s.cap,
-                      s.bands if bands_on is None else bands_on, s.mmvq_max_ncols)
+                      on, s.mmvq_max_ncols)
 
     def request_bands(self, n_tokens: int, resume_at: int = 0, **kw) -> list[B.Band]:
         """Bands for a prompt, optionally as a first part [0, resume_at) and a resumed second part
@@ -139,16 +165,18 @@ def gpu_placement(ids: list[int]) -> dict:
 def open_engine(settings: Settings, model_path: str | None = None, *, threads: int | None = None,
                 weights: str = tiny_model.DEFAULT_WEIGHTS, device: str = "cpu",
                 log: Log = lambda s: None) -> Engine:
-    path = resolve_model(model_path, weights)
-    info = gguf_meta.read(path)  # validates the file before llama.cpp sees it
+    quantized = model_path is None and tiny_model.needs_quantizer(weights)
+    path = None if quantized else resolve_model(model_path, weights)
+    info = gguf_meta.read(path) if path else None  # validates the file before llama.cpp sees it
     gpu_ids = devices.parse_device(device)
     if gpu_ids:
         devices.require_hip(gpu_ids)  # exit 3 with the reason, before any build or load
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} must be >= 1")
-    lib_dir = library_dir(settings, log)
-    os.environ.update(settings.library_env())  # the library's narrow path sees dflash's ceiling
-    llama.load_library(lib_dir, verbose=settings.verbose)
+    lib_dir = load_library(settings, log)
+    if path is None:  # a K-quant built-in model: made by the library just loaded
+        path = resolve_model(None, weights)
+        info = gguf_meta.read(path)
     placement = gpu_placement(gpu_ids)
-    model = llama.Model(path, exact=settings.lib == "exact", **placement)
+    model = llama.Model(path, **placement)
     return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device)

@@ -93,16 +93,30 @@ def _last_log() -> str:
     return _LOG[-1] if _LOG else "no message from llama.cpp"
 
 
-class Model:
-    """A loaded GGUF. `exact` turns off weight repacking (extra buffer types)."""
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int) -> None:
+    """Quantize the GGUF `src` to the llama_ftype `ftype` with llama.cpp's own quantizer, one
+    thread (deterministic), into `dst`."""
+    L = _lib()
+    params = L.llama_model_quantize_default_params()
+    params.nthread = 1
+    params.ftype = ftype
+    _LOG.clear()
+    rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise LlamaError(f"llama.cpp could not quantize {src} to ftype {ftype}: {_last_log()}")
 
-    def __init__(self, path: str | os.PathLike, *, exact: bool = True, n_gpu_layers: int = 0,
+
+class Model:
+    """A loaded GGUF. Weights go to llama.cpp's extra buffer types (AMX, repacked) as llama.cpp
+    places them by default: in the exact flavor those kernels are batch-invariant too."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
                  main_gpu: int = 0, tensor_split: list[float] | None = None):
         L = _lib()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
         mp.main_gpu = main_gpu
-        mp.use_extra_bufts = not exact
+        mp.use_extra_bufts = True
         self._split = None
         if tensor_split:  # layers spread over several GPUs in these proportions
             self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)

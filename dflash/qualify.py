@@ -25,6 +25,14 @@ mode's maximum (4), and at least 1 (q1). The largest exact width is the widest b
 runs really decoded: the planner never exceeds the smallest compress ratio (4 on DeepSeek V4),
 so on such a model the planner runs of caps 5..8 use the same bands as cap 4; their fixed-width
 runs decode w-wide bands, so the largest exact width is the widest band of either run.
+
+Wide bands: widths up to 512 can be qualified; the per-width verdicts become a qualification
+record (dflash/qualification.py) that --chunk auto and --chunk N > 4 run from. The recommended
+chunk is the widest width this run proves (what --chunk auto picks from its record), with the
+band mode: fixed-width bands across compressor boundaries when the fixed-width runs prove it,
+else the planner. A fixed-width run must really decode a band of its width: the prompt parts
+before and after the resume point must be long enough (the default prompt is repeated until it
+has more than 2 * widest + 8 tokens).
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from typing import Callable, Iterable
 
 from . import bands as B
 from . import prefill as P
+from . import qualification as Qn
 from . import settings as S
 from . import trace as T
 from .errors import UsageError
@@ -55,6 +64,30 @@ def default_resume_point(n_tokens: int, ratios: Iterable[int] = (4, 128)) -> int
     return p
 
 
+def long_prompt(base: str, tokenize: Callable[[str], list[int]], widest: int) -> tuple[str, list[int]]:
+    """`base` repeated until it has more than 2 * widest + 8 tokens (so that the part after the
+    default resume point, about two thirds of the prompt, holds a band of the widest width)."""
+    text = base
+    tokens = tokenize(text)
+    while len(tokens) <= 2 * widest + 8:
+        text = f"{text} {base}"
+        tokens = tokenize(text)
+    return text, tokens
+
+
+def verdicts(results: list[dict], evidence_dir: str | None = None) -> tuple[Qn.Verdict, ...]:
+    """The qualification record's per-width verdicts from qualify's results (width 1: both runs
+    are the q1 repeat)."""
+    out = []
+    for r in results:
+        planner_widest = max(map(int, r["schedule"]["widths"]))
+        f = r.get("fixed_width")
+        out.append(Qn.Verdict(r["width"], r.get("planner_exact", r["exact"]), planner_widest,
+                              f["exact"] if f else r["exact"], f["widest_band"] if f else planner_widest,
+                              evidence_dir))
+    return tuple(out)
+
+
 def recommend(exact_by_cap: dict[int, bool], widest_by_cap: dict[int, int] | None = None,
               max_cap: int = S.MAX_BAND) -> dict:
     """The recommendation from per-cap verdicts (see the module doc); `widest_by_cap` is the widest
@@ -70,7 +103,7 @@ def recommend(exact_by_cap: dict[int, bool], widest_by_cap: dict[int, int] | Non
 
 
 def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, resume_at: int,
-             plans: dict[int, list[B.Band]]) -> dict:
+             plans: dict[int, list[B.Band]], fixed: dict[int, list[B.Band]] | None = None) -> dict:
     """What the prompt and schedules cover; `missing` lists what a qualification needs but lacks."""
     rs = B.positive_ratios(ratios)
     # crossed: the prompt holds the first position a boundary changes: r, the first to see a
@@ -91,10 +124,19 @@ def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, r
                        f"--resume-at nearer below a boundary than the smallest cap, e.g. p % 4 == 3)")
     if not with_reason[B.TAIL]:
         missing.append("no cap's plan ends a part with a 'tail' band")
+    short = sorted(w for w, bands in (fixed or {}).items() if max(b.width for b in bands) < w)
+    if short:
+        missing.append(f"no fixed-width run of width {_ws(short)} decodes a band that wide (the parts before "
+                       f"and after the resume point {resume_at} are shorter)")
     return {"n_tokens": n_tokens, "ratios": list(rs), "sliding_window": sliding_window,
             "crossings": crossings, "resume_at": resume_at, "resume_unaligned": unaligned,
             "widths_with_start_band": with_reason[B.START], "widths_with_tail_band": with_reason[B.TAIL],
-            "widths_with_boundary_band": with_reason[B.BOUNDARY], "missing": missing}
+            "widths_with_boundary_band": with_reason[B.BOUNDARY], "widths_not_decoded": short,
+            "missing": missing}
+
+
+def _ws(ws: list[int]) -> str:
+    return ",".join(map(str, ws))
 
 
 def schedule_summary(bands: list[B.Band]) -> dict:
@@ -205,11 +247,11 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
     m = eng.settings.mmvq_max_ncols
     fixed = {w: B.fixed_bands(resume_at, w, mmvq_max_ncols=m) + B.fixed_bands(n - resume_at, w, resume_at, m)
              for w in ws if w > 1}
-    cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans)
+    eng.context_size(n, n_predict, None)  # fail early when it does not fit
+    cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans, fixed)
     if cov["missing"]:
         raise UsageError("the prompt/schedules do not cover what qualify checks: " + "; ".join(cov["missing"])
                          + " (use a longer --prompt, other --widths or --resume-at)")
-    eng.context_size(n, n_predict, None)  # fail early when it does not fit
     total = n * (len(ws) + len(fixed) + 1)
 
     def step(i):
@@ -242,6 +284,7 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
                 res["first_diff_position"] = f["first_diff_position"]
         results.append(res)
     rec = recommend({r["width"]: r["exact"] for r in results}, {r["width"]: r["widest_band"] for r in results})
+    rec["recommended_chunk"], rec["recommended_band_mode"] = Qn.widest_proven(verdicts(results))
     report = {
         "model": eng.info.path, "architecture": eng.info.architecture, "library": eng.settings.lib,
         "threads": eng.threads, "n_tokens": n, "n_predict": n_predict, "resume_at": resume_at,

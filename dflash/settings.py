@@ -7,14 +7,17 @@ Flags:
   DFLASH_LLAMA_VERBOSE            boolean: pass llama.cpp's log through to stderr
   DFLASH_DEBUG                    boolean: tracebacks instead of one-line errors (read by the CLI
                                   edge through `debug_flag`, before any Settings exist)
+Option --chunk: 1..4 (narrow bands, as the flags above say), or 5..512 and `auto`, which need a
+qualification record (dflash/qualification.py): the caller looks it up and passes what it proves
+as `qualified`; both imply bands on unless --no-bands.
 The effective LUCE_MMVQ_MAX_NCOLS is exported to the process before llama.cpp loads, so a HIP
 build's narrow kernels route exactly the widths dflash labels narrow.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import asdict, dataclass
+from typing import Mapping, Union
 
 from .build import FLAVORS
 from .errors import UsageError
@@ -26,7 +29,11 @@ ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
 ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_LIB_DIR, ENV_VERBOSE)
 
-MAX_BAND = 4               # widest band the narrow kernels serve (--chunk range in band mode)
+MAX_BAND = 4               # widest band the narrow kernels serve (--chunk without a record)
+MAX_CHUNK = 512            # widest --chunk a qualification record can prove
+AUTO = "auto"              # --chunk auto: the widest width the record proves exact
+PLANNER, FIXED = "planner", "fixed"  # how a record proved a width: the planner's bands, or bands
+                                     # of exactly that width across compressor boundaries
 UPSTREAM_MMVQ_DEFAULT = 3  # llama.cpp fork default ceiling
 BANDS_MMVQ_DEFAULT = 4     # dflash's ceiling when bands are on
 MMVQ_MAX = 8               # LUCE_MMVQ_MAX_NCOLS <= 0 or > 8 means this (the narrow path's limit)
@@ -52,6 +59,44 @@ def parse_int(name: str, value: str) -> int:
         raise UsageError(f"{name}={value!r} is not an integer") from None
 
 
+Chunk = Union[int, str]  # 1..MAX_CHUNK or AUTO
+
+
+def parse_chunk(value: Chunk | None) -> Chunk | None:
+    """--chunk as given: None (the default), AUTO, or an int in 1..MAX_CHUNK."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == AUTO:
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise UsageError(f"--chunk {value!r} is malformed (use 1..{MAX_CHUNK} or {AUTO})") from None
+    if not 1 <= value <= MAX_CHUNK:
+        raise UsageError(f"--chunk {value} is out of range: use 1..{MAX_BAND}, or up to {MAX_CHUNK} "
+                         f"or {AUTO} with a qualification record")
+    return value
+
+
+def needs_record(chunk: Chunk | None) -> bool:
+    """--chunk auto and --chunk N > 4 run only what a qualification record proves."""
+    return chunk == AUTO or (isinstance(chunk, int) and chunk > MAX_BAND)
+
+
+@dataclass(frozen=True)
+class Qualified:
+    """The qualification record that justified the width of a run."""
+    path: str
+    key: str
+    width: int
+    mode: str  # PLANNER or FIXED
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class Settings:
     bands: bool
@@ -60,9 +105,16 @@ class Settings:
     lib: str = "exact"
     lib_dir: str | None = None        # explicit library folder (DFLASH_LLAMA_LIB_DIR)
     verbose: bool = False             # DFLASH_LLAMA_VERBOSE
-    bands_from: str = "default"       # where `bands` came from: default, env, option
+    bands_from: str = "default"       # where `bands` came from: default, env, option, chunk
     mmvq_from: str = "default"
     env_raw: tuple = ()               # (name, value) of every dflash flag set, as given
+    chunk_requested: Chunk = MAX_BAND  # --chunk as given (AUTO or an int)
+    qualified: Qualified | None = None  # the record behind a width > 4 or auto
+
+    @property
+    def fixed(self) -> bool:
+        """Bands of exactly `chunk` tokens that ignore compressor boundaries (record-backed only)."""
+        return self.bands and self.qualified is not None and self.qualified.mode == FIXED
 
     @property
     def cap(self) -> int:
@@ -79,7 +131,7 @@ class Settings:
         return {ENV_MMVQ: str(self.mmvq_max_ncols)}
 
     def warnings(self) -> list[str]:
-        if self.leaves_narrow_path:
+        if self.leaves_narrow_path and self.qualified is None:  # a record proves what it runs
             return [f"bands wider than {ENV_MMVQ}={self.mmvq_max_ncols} run batched kernels and "
                     f"leave the narrow exact path (--chunk {self.chunk})"]
         return []
@@ -92,20 +144,32 @@ def debug_flag(env: Mapping[str, str] | None = None) -> bool:
 
 
 def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
-            chunk: int | None = None, lib: str = "exact") -> Settings:
-    """Combine environment and options; options win over the environment."""
+            chunk: Chunk | None = None, lib: str = "exact", qualified: Qualified | None = None) -> Settings:
+    """Combine environment and options; options win over the environment.
+
+    --chunk auto or N > 4 implies bands on (unless bands=False) and needs `qualified`, what the
+    caller's qualification record proves (auto without one runs 4, as the caller says)."""
     env = os.environ if env is None else env
+    requested = parse_chunk(chunk)
+    requested = MAX_BAND if requested is None else requested
+    env_bands = parse_bool(ENV_BANDS, env[ENV_BANDS]) if env.get(ENV_BANDS, "").strip() else None
     bands_from = "default"
     bands_on = False
     if bands is not None:
         bands_on, bands_from = bool(bands), "option"
-    elif env.get(ENV_BANDS, "").strip() != "":
-        bands_on, bands_from = parse_bool(ENV_BANDS, env[ENV_BANDS]), "env"
+    elif needs_record(requested):  # an explicit, record-backed opt-in
+        bands_on, bands_from = True, "chunk"
+    elif env_bands is not None:
+        bands_on, bands_from = env_bands, "env"
 
-    if chunk is None:
-        chunk = MAX_BAND
-    if not 1 <= chunk <= MAX_BAND:
-        raise UsageError(f"--chunk {chunk} is out of range: band mode accepts 1..{MAX_BAND}")
+    chunk = requested if requested != AUTO else MAX_BAND
+    if not bands_on or not needs_record(requested):
+        qualified = None
+    elif qualified is not None and (requested in (AUTO, qualified.width)):
+        chunk = qualified.width
+    elif requested != AUTO:
+        raise UsageError(f"--chunk {requested} needs a qualification record proving width {requested} "
+                         f"exact (run `dflash qualify --widths {requested}`)")
 
     mmvq_from = "default"
     if env.get(ENV_MMVQ, "").strip() != "":
@@ -122,4 +186,5 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
     verbose = env.get(ENV_VERBOSE, "").strip() != "" and parse_bool(ENV_VERBOSE, env[ENV_VERBOSE])
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
-                    env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env))
+                    env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
+                    chunk_requested=requested, qualified=qualified)

@@ -6,14 +6,16 @@ length that is a multiple of 64 and at least the rope dimensions, and quantized 
 multiples of 32. The "test" tokenizer built into llama.cpp (5-character chunks) is used.
 
 The bytes depend only on the options: the GGUF writer is fed in a fixed order from one seeded
-generator, and the file is written to a temporary name and renamed into place.
+generator, and the file is written to a temporary name and renamed into place. K-quant presets
+(q4_k_m, q6_k) are the f32 model run through the loaded llama.cpp's quantizer (one thread).
 """
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -23,8 +25,14 @@ HC = 4  # hyper-connection count (the loader asserts 4)
 # Weight presets: the type of each family of matrices.
 # F32/F16/Q8_0/Q4_0 put every big matrix in that type; "mxfp4" is the shape of official
 # DeepSeek-V4 conversions (Q8_0 dense, MXFP4 routed experts, BF16 embeddings/output/router).
-WEIGHTS = ("mxfp4", "f32", "f16", "q8_0", "q4_0")
+# K-quants are made by llama.cpp's own quantizer from the f32 model (the llama_ftype of each);
+# matrices whose rows cannot hold 256-element blocks fall back to other types there.
+QUANTIZED = {"q4_k_m": 15, "q6_k": 18}  # LLAMA_FTYPE_MOSTLY_Q4_K_M, LLAMA_FTYPE_MOSTLY_Q6_K
+DIRECT = ("mxfp4", "f32", "f16", "q8_0", "q4_0")  # written by this module alone
+WEIGHTS = DIRECT + tuple(QUANTIZED)
 DEFAULT_WEIGHTS = "mxfp4"
+
+Quantizer = Callable[[str, str, int], None]  # (f32 source, destination, llama_ftype)
 
 
 @dataclass(frozen=True)
@@ -71,21 +79,40 @@ def _types(weights: str):
     return {"dense": one, "exps": one, "embd": one, "out": one, "router": router}
 
 
-def write(path: str | os.PathLike, cfg: TinyConfig = TinyConfig()) -> Path:
-    """Write the model to `path` atomically; returns the path."""
+def needs_quantizer(weights: str) -> bool:
+    """True for presets made by llama.cpp's quantizer (the library must be loaded first)."""
+    return weights in QUANTIZED
+
+
+def _temp(directory: Path) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=directory)
+    os.close(fd)
+    return tmp
+
+
+def write(path: str | os.PathLike, cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
+    """Write the model to `path` atomically; returns the path. K-quant presets need `quantize`
+    (dflash.llama.quantize, with the library loaded): it turns the f32 model into them."""
     import gguf
     from gguf import GGMLQuantizationType as QT
 
+    if needs_quantizer(cfg.weights) and quantize is None:
+        raise ValueError(f"weights {cfg.weights} are made by llama.cpp's quantizer: pass quantize")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=path.parent)
-    os.close(fd)
+    tmps = [_temp(path.parent)]
     try:
-        _write(gguf, QT, tmp, cfg)
-        os.replace(tmp, path)
+        if needs_quantizer(cfg.weights):
+            _write(gguf, QT, tmps[0], replace(cfg, weights="f32"))
+            tmps.append(_temp(path.parent))
+            quantize(tmps[0], tmps[1], QUANTIZED[cfg.weights])
+        else:
+            _write(gguf, QT, tmps[0], cfg)
+        os.replace(tmps[-1], path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return path
 
 
@@ -204,9 +231,9 @@ def default_path(cfg: TinyConfig = TinyConfig()) -> Path:
     return cache_root() / "models" / cfg.file_name
 
 
-def ensure(cfg: TinyConfig = TinyConfig()) -> Path:
+def ensure(cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
     """The tiny model in the user cache, written on first use and reused after."""
     p = default_path(cfg)
     if not p.is_file():
-        write(p, cfg)
+        write(p, cfg, quantize)
     return p

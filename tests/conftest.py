@@ -13,13 +13,33 @@ from dflash.settings import ENV_DEBUG, ENV_FLAGS
 ROOT = Path(__file__).resolve().parent.parent
 # a developer's own flags must not change what the tests run (the tests set what they need)
 CLEAN_ENV = (*ENV_FLAGS, ENV_DEBUG, "LLAMA_CPP_LIB_PATH")
+# llama.cpp threads of the in-process exactness tests (DFLASH_TEST_THREADS=1 on a busy small machine)
+TEST_THREADS = int(os.environ.get("DFLASH_TEST_THREADS", "2"))
+
+
+class TinyModels(dict):
+    """weights -> path. Presets written by tiny_model alone exist from the start; K-quant presets
+    need llama.cpp's quantizer, so they are made on first access by `dflash tiny-model` in a
+    subprocess (this process may load another library, or none)."""
+
+    def __init__(self, directory: Path):
+        super().__init__((w, tiny_model.write(directory / f"{w}.gguf", tiny_model.TinyConfig(weights=w)))
+                         for w in tiny_model.DIRECT)
+        self.directory = directory
+
+    def __missing__(self, weights: str) -> Path:
+        if weights not in tiny_model.QUANTIZED:
+            raise KeyError(weights)
+        path = self.directory / f"{weights}.gguf"
+        run_dflash("tiny-model", "--weights", weights, "--out", path, check=True)
+        self[weights] = path
+        return path
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """weights -> path of the tiny DeepSeek-V4 model with that preset."""
-    d = tmp_path_factory.mktemp("models")
-    return {w: tiny_model.write(d / f"{w}.gguf", tiny_model.TinyConfig(weights=w)) for w in tiny_model.WEIGHTS}
+    """weights -> path of the tiny DeepSeek-V4 model with that preset (K-quants made on first use)."""
+    return TinyModels(tmp_path_factory.mktemp("models"))
 
 
 def run_dflash(*args, env=None, check=False):

@@ -6,12 +6,14 @@ import pytest
 from dflash import gguf_meta, tiny_model
 from dflash.errors import ModelError
 
+from .conftest import run_json
+
 
 def sha(p):
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("weights", tiny_model.WEIGHTS)
+@pytest.mark.parametrize("weights", tiny_model.DIRECT)
 def test_tiny_model_bytes_are_deterministic(tmp_path, weights):
     cfg = tiny_model.TinyConfig(weights=weights)
     a = tiny_model.write(tmp_path / "a.gguf", cfg)
@@ -19,6 +21,20 @@ def test_tiny_model_bytes_are_deterministic(tmp_path, weights):
     assert sha(a) == sha(b)
     c = tiny_model.write(tmp_path / "c.gguf", tiny_model.TinyConfig(weights=weights, seed=99))
     assert sha(c) != sha(a)  # the seed reaches the bytes: the equality above is not vacuous
+
+
+@pytest.mark.parametrize("weights,ktype", [("q4_k_m", "Q4_K"), ("q6_k", "Q6_K")])
+def test_k_quant_tiny_model_is_deterministic(tmp_path, tiny_models, weights, ktype):
+    """llama.cpp's quantizer (one thread) makes the same bytes twice; rows of 128 cannot hold a
+    256-element K block, so those matrices fall back to other types, which the JSON reports."""
+    first = tiny_models[weights]  # made by `dflash tiny-model --out` in a subprocess
+    d = run_json("tiny-model", "--weights", weights, "--out", tmp_path / "again.gguf")
+    assert d["sha256"] == sha(first) != sha(tiny_models["f32"])
+    types = d["tensor_types"]
+    assert types == gguf_meta.read(first).weight_types and types.get(ktype, 0) > 0
+    assert sum(types.values()) == sum(gguf_meta.read(tiny_models["f32"]).weight_types.values())
+    with pytest.raises(ValueError, match="quantizer"):
+        tiny_model.write(tmp_path / "no.gguf", tiny_model.TinyConfig(weights=weights))
 
 
 def test_metadata_of_tiny_model(tiny_models):

@@ -8,16 +8,27 @@ from dflash import prefill as P
 from dflash import settings as S
 from dflash import tiny_model
 
-from .conftest import run_dflash, run_json
+from .conftest import TEST_THREADS, run_dflash, run_json
 
 N_PREDICT = 8
 
 
+class ExactEngines(dict):
+    """weights -> an exact-library engine in this process, opened on first use."""
+
+    def __init__(self, models):
+        super().__init__()
+        self.models = models
+
+    def __missing__(self, weights):
+        s = S.resolve({}, bands=True, chunk=4, lib="exact")
+        self[weights] = E.open_engine(s, str(self.models[weights]), threads=TEST_THREADS)
+        return self[weights]
+
+
 @pytest.fixture(scope="module")
 def exact_engines(tiny_models):
-    """One exact-library engine per weight preset, in this process."""
-    s = S.resolve({}, bands=True, chunk=4, lib="exact")
-    return {w: E.open_engine(s, str(p), threads=2) for w, p in tiny_models.items()}
+    return ExactEngines(tiny_models)
 
 
 def run(eng, tokens, cap, bands_on=True, resume_at=0, ctx=None):
@@ -72,7 +83,7 @@ def test_different_input_changes_the_hashes(exact_engines):
 def test_stock_build_differs_from_q1(tiny_models, weights):
     """llamafile sgemm serves widths >= 2 on the stock build: the same check must fail there."""
     r = run_dflash("prefill", "--model", tiny_models[weights], "--lib", "stock", "--bands", "--chunk", "4",
-                   "--n-predict", N_PREDICT, "--compare-q1", "--json", "--threads", 2)
+                   "--n-predict", N_PREDICT, "--compare-q1", "--json", "--threads", TEST_THREADS)
     assert r.returncode == 1, r.stderr
     import json
     d = json.loads(r.stdout)

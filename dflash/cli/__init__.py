@@ -21,8 +21,8 @@ def cli(debug: bool) -> None:
 
 def _register() -> None:
     from . import (bench_cmd, build_cmd, devices_cmd, diff_cmd, matrix_cmd, plan_cmd, prefill_cmd,
-                   qualify_cmd, tiny_cmd, verify_cmd)
-    for mod in (plan_cmd, prefill_cmd, bench_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
+                   qualify_cmd, sweep_cmd, tiny_cmd, verify_cmd)
+    for mod in (plan_cmd, prefill_cmd, bench_cmd, sweep_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
                 devices_cmd, tiny_cmd, build_cmd):
         for c in getattr(mod, "commands", None) or [mod.command]:
             cli.add_command(c)

@@ -11,14 +11,14 @@ from .. import engine as E
 from .. import evidence, records
 from ..errors import DflashError
 from . import output
-from .options import device_option, lib_option, model_option, prompt_options, settings_from, threads_option
-from .. import settings as S
+from .options import (chunk_option, device_option, lib_option, model_option, prompt_options, run_settings,
+                      threads_option)
 
 
 @click.command("bench")
 @model_option
 @prompt_options
-@click.option("--chunk", type=int, default=S.MAX_BAND, show_default=True, help="Candidate's widest band (1..4).")
+@chunk_option
 @threads_option
 @lib_option
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Warm-up requests per arm.")
@@ -35,7 +35,8 @@ def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, ru
     """A/B/A: q1, the band schedule, q1 again; medians, MAD, gain, drift, hash equality.
 
     Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
-    s = settings_from(True, chunk, lib)  # the candidate arm is a band schedule whatever the env says
+    # the candidate arm is a band schedule whatever the env says
+    s = run_settings(True, chunk, lib, model=model, weights=weights, device=device)
     text = E.read_prompt(prompt, prompt_file)
     dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("bench")
     for w in s.warnings():
@@ -47,12 +48,15 @@ def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, ru
             samples, widths = Bn.run(eng, tokens, warmup=warmup, runs=runs, interleave=interleave,
                                      n_predict=n_predict, logits=logits_mode, progress=progress)
         summary = Bn.summarize(samples)
-        options = {"chunk": chunk, "warmup": warmup, "runs": runs, "interleave": interleave,
+        options = {"chunk": s.chunk, "chunk_requested": s.chunk_requested,
+                   "band_mode": "fixed" if s.fixed else "planner", "warmup": warmup, "runs": runs,
+                   "interleave": interleave,
                    "n_predict": n_predict, "logits": logits_mode, "lib": lib, "threads": eng.threads,
                    "n_prompt_tokens": len(tokens), "device": device}
         path, manifest_sha = Bn.write_evidence(writer, records.provenance(eng, None, text, tokens), options,
                                                samples, widths, summary)
     result = {**summary, "n_prompt_tokens": len(tokens), "threads": eng.threads, "library": lib,
+              "chunk": s.chunk, "qualification": s.qualified.to_json() if s.qualified else None,
               "evidence_dir": str(path), "manifest_sha256": manifest_sha}
     if as_json:
         output.emit_json(result)

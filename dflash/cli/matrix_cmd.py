@@ -7,21 +7,23 @@ from rich.table import Table
 from .. import matrix as M
 from ..errors import DflashError
 from . import output
-from .options import settings_from
+from .options import chunk_option, run_settings
 
 
 @click.command("matrix")
 @click.option("--model", default=None, help="GGUF model [default: the built-in tiny model].")
 @click.option("--prompt-file", default=None, help="Prompt file [default: the built-in prompt].")
-@click.option("--chunk", type=int, default=4, show_default=True)
+@chunk_option
 @click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def command(model, prompt_file, chunk, n_predict, as_json):
     """Compare q1 and band fingerprints across CPU threads, exact/stock builds and GPUs.
 
     Exits 1 when any exact-library configuration differs from the reference."""
-    settings_from(True, chunk)  # a bad --chunk or env flag fails here, not in every row
-    passthrough = ["--chunk", str(chunk), "--n-predict", str(n_predict)]
+    # a bad --chunk or env flag, or no record for --chunk N > 4 on the exact CPU library, fails
+    # here, not in every row (each row looks up its own library's and device's record)
+    s = run_settings(True, chunk, model=model)
+    passthrough = ["--chunk", str(s.chunk_requested), "--n-predict", str(n_predict)]
     if model:
         passthrough += ["--model", model]
     if prompt_file:

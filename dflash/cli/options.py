@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import click
 
+from .. import qualification as Qn
 from .. import settings as S
 from .. import tiny_model
+from . import output
 
 
 def model_option(f):
@@ -35,13 +37,34 @@ def device_option(f):
                         help="cpu, hip:N, or hip:N,hip:M to split layers across two GPUs.")(f)
 
 
+CHUNK_HELP = (f"Widest band: 1..{S.MAX_BAND}, or up to {S.MAX_CHUNK} or {S.AUTO} (the widest width proven) "
+              f"with a `dflash qualify` record for this library, model and device; those imply --bands")
+
+
+def chunk_option(f):
+    return click.option("--chunk", default=None, metavar="N|auto",
+                        help=f"{CHUNK_HELP} [default: {S.MAX_BAND}].")(f)
+
+
 def run_options(f):
     """--chunk, --bands/--no-bands, --threads, --lib: how prefill runs."""
     f = lib_option(threads_option(f))
     f = click.option("--bands/--no-bands", default=None,
                      help=f"Use q2..q4 bands (overrides {S.ENV_BANDS}; default: the env flag, else q1).")(f)
-    return click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4].")(f)
+    return chunk_option(f)
 
 
 def settings_from(bands, chunk, lib="exact") -> S.Settings:
     return S.resolve(bands=bands, chunk=chunk, lib=lib)
+
+
+def run_settings(bands, chunk, lib="exact", *, model=None, weights=tiny_model.DEFAULT_WEIGHTS,
+                 device="cpu") -> S.Settings:
+    """Settings for a run. --chunk auto or N > 4 with bands not turned off first looks up what the
+    qualification record of this library, model and device proves (see dflash/qualification.py)."""
+    req = S.parse_chunk(chunk)
+    if not S.needs_record(req) or bands is False:
+        return S.resolve(bands=bands, chunk=req, lib=lib)
+    base = S.resolve(bands=bands, lib=lib)  # environment and --lib checked before any hashing
+    q = Qn.lookup(base, req, model, weights, device, warn=output.warn, note=output.note)
+    return S.resolve(bands=bands, chunk=req, lib=lib, qualified=q)

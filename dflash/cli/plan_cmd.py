@@ -6,9 +6,10 @@ from rich.table import Table
 
 from .. import bands as B
 from .. import gguf_meta
+from .. import settings as S
 from ..errors import UsageError
 from . import output
-from .options import settings_from
+from .options import chunk_option, device_option, lib_option, run_settings
 
 DS4_RATIOS = "4,128"
 
@@ -34,26 +35,44 @@ def band_dict(b: B.Band) -> dict:
 @click.option("--start", type=click.IntRange(min=0), default=0, show_default=True,
               help="First position (non-zero: a resumed prefill).")
 @click.option("--ratios", default=None, help=f"Compress ratios, e.g. 4,128, or none [default: {DS4_RATIOS}].")
-@click.option("--model", default=None, help="Take the ratios from this GGUF instead.")
-@click.option("--chunk", type=int, default=None, help="Widest band (band mode: 1..4) [default: 4].")
+@click.option("--model", default=None,
+              help="Take the ratios from this GGUF instead (and, for --chunk auto or N > 4, its "
+                   "qualification record).")
+@chunk_option
 @click.option("--bands/--no-bands", default=None, help="Override DFLASH_DS4_EXACT_PREFILL_BANDS.")
+@lib_option
+@device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(n_tokens, start, ratios, model, chunk, bands, as_json):
-    """Show the prefill bands for N tokens from a position."""
+def command(n_tokens, start, ratios, model, chunk, bands, lib, device, as_json):
+    """Show the prefill bands for N tokens from a position.
+
+    --chunk auto or N > 4 needs --model: the qualification record of that model, --lib and
+    --device decides the width and whether bands cross compressor boundaries (no library is loaded)."""
     if ratios is not None and model is not None:
         raise UsageError("give --ratios or --model, not both")
-    s = settings_from(bands, chunk)
+    if model is None and bands is not False and S.needs_record(S.parse_chunk(chunk)):
+        raise UsageError(f"--chunk {chunk} needs --model (with --lib and --device): the qualification "
+                         f"record that proves a width is per library, model and device")
+    s = run_settings(bands, chunk, lib, model=model, device=device)
     rs = gguf_meta.read(model).compress_ratios if model else parse_ratios(ratios or DS4_RATIOS)
-    plan = B.plan(n_tokens, start, rs, s.cap, s.bands, s.mmvq_max_ncols)
+    if s.fixed:  # the record proved bands of this width across compressor boundaries
+        plan = B.fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
+    else:
+        plan = B.plan(n_tokens, start, rs, s.cap, s.bands, s.mmvq_max_ncols)
+    band_mode = "fixed" if s.fixed else "planner"
     if as_json:
         output.emit_json({"n_tokens": n_tokens, "start": start, "ratios": list(B.positive_ratios(rs)),
                           "bands_on": s.bands, "cap": s.cap, "mmvq_max_ncols": s.mmvq_max_ncols,
+                          "chunk_requested": s.chunk_requested, "band_mode": band_mode,
+                          "qualification": s.qualified.to_json() if s.qualified else None,
                           "widths": B.widths(plan), "bands": [band_dict(b) for b in plan],
                           "warnings": s.warnings()})
         return
     for w in s.warnings():
         output.warn(w)
     mode = f"bands on, cap {s.cap}" if s.bands else "bands off (q1)"
+    if s.qualified:
+        mode += f" ({band_mode} bands proven by {s.qualified.path})"
     output.out.print(f"{len(plan)} bands for {n_tokens} tokens from {start}; {mode}; ratios "
                      f"{','.join(map(str, B.positive_ratios(rs))) or 'none'}; narrow ceiling {s.mmvq_max_ncols}")
     output.out.print("widths: " + " ".join(map(str, B.widths(plan))), highlight=False)

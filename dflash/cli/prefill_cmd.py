@@ -9,7 +9,7 @@ from .. import prefill as P
 from ..errors import DflashError, UsageError
 from ..settings import ENV_BANDS
 from . import output
-from .options import device_option, model_option, prompt_options, run_options, settings_from
+from .options import device_option, model_option, prompt_options, run_options, run_settings
 
 
 def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
@@ -17,7 +17,9 @@ def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
     return {
         "model": str(eng.info.path), "architecture": eng.info.architecture,
         "library": {"flavor": s.lib, "dir": str(eng.lib_dir)},
-        "bands_on": s.bands, "chunk": s.chunk, "mmvq_max_ncols": s.mmvq_max_ncols,
+        "bands_on": s.bands, "chunk": s.chunk, "chunk_requested": s.chunk_requested,
+        "band_mode": "fixed" if s.fixed else "planner", "mmvq_max_ncols": s.mmvq_max_ncols,
+        "qualification": s.qualified.to_json() if s.qualified else None,
         "threads": eng.threads, "n_ctx": n_ctx, "device": eng.device,
         "widths": r.widths, "n_prompt_tokens": r.n_prompt_tokens,
         "prefill_seconds": r.prefill_seconds, "prefill_tokens_per_second": r.prefill_tokens_per_second,
@@ -47,7 +49,7 @@ def result_dict(eng: E.Engine, r: P.Result, n_ctx: int) -> dict:
 def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_predict, ctx,
             resume_at, logits_mode, device, compare_q1, as_json):
     """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints."""
-    s = settings_from(bands, chunk, lib)
+    s = run_settings(bands, chunk, lib, model=model, weights=weights, device=device)
     if compare_q1 and not s.bands:
         raise UsageError(f"--compare-q1 compares a band schedule with q1, but bands are off "
                          f"(set {ENV_BANDS}=1 or pass --bands)")
@@ -91,6 +93,10 @@ def _print_human(eng: E.Engine, r: P.Result, d: dict) -> None:
     o.print(f"model     {d['model']} ({d['architecture']}), library {s.lib}", highlight=False)
     o.print(f"bands     {'on, cap ' + str(s.cap) if s.bands else 'off (q1)'}; widths {B.summarize_widths(r.widths)}",
             highlight=False)
+    if s.qualified:
+        q = s.qualified
+        o.print(f"proven    width {q.width} ({'fixed-width bands' if s.fixed else 'planner bands'}) by "
+                f"qualification record {q.path}", highlight=False)
     o.print(f"prefill   {r.n_prompt_tokens} tokens in {r.prefill_seconds:.3f} s = "
             f"{r.prefill_tokens_per_second:.1f} tok/s ({eng.threads} threads)", highlight=False)
     o.print(f"logits    sha256 {r.logits_sha256}", highlight=False)

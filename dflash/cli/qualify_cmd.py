@@ -9,6 +9,7 @@ from rich.table import Table
 
 from .. import engine as E
 from .. import llama
+from .. import qualification as Qn
 from .. import qualify as Q
 from .. import records
 from .. import settings as S
@@ -23,8 +24,8 @@ def parse_widths(text: str) -> list[int]:
         ws = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise UsageError(f"--widths {text!r} is malformed (use e.g. 2,3,4)") from None
-    if not ws or ws[0] < 1 or ws[-1] > 256:
-        raise UsageError(f"--widths {text!r}: widths must be in 1..256")
+    if not ws or ws[0] < 1 or ws[-1] > S.MAX_CHUNK:
+        raise UsageError(f"--widths {text!r}: widths must be in 1..{S.MAX_CHUNK}")
     return ws
 
 
@@ -51,7 +52,12 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     per width whether the logits of every position are bit-identical to q1's (and the first
     position that is not), whether the response SHA-256 matches and, for MoE models, whether the
     routed expert ids and weights of every position and layer match. Then recommend the largest
-    exact cap (at most 4) and the LUCE_MMVQ_MAX_NCOLS value, and write an evidence directory.
+    exact cap (at most 4) and the LUCE_MMVQ_MAX_NCOLS value, and the widest exact width (what
+    --chunk auto runs), write an evidence directory, and store the per-width verdicts as the
+    qualification record of this library, model and device (in the user cache, merged with the
+    widths it already held; a copy of this run's verdicts goes into the evidence directory).
+    Without --prompt/--prompt-file the built-in prompt is repeated until it has more than
+    2 * widest + 8 tokens, so that a band of the widest width is really decoded.
 
     Width 1 is a repeat of q1 (reproducibility). The largest exact cap is the largest w with every
     cap 1..w run and exact (a cap not run is not vouched for); the recommended cap is that, at
@@ -60,18 +66,31 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     reported separately as the largest exact width.
 
     qualify reports, it is not a gate: it exits 0 when it ran, whether or not every width is
-    exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries."""
+    exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries
+    or to decode the widest width, or too long for the model's context."""
     ws = parse_widths(widths)
     text = E.read_prompt(prompt, prompt_file)
     s = settings_from(True, S.MAX_BAND, lib)
     eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
-    tokens = eng.tokenize(text)
+    if prompt is None and prompt_file is None:
+        text, tokens = Q.long_prompt(E.DEFAULT_PROMPT, eng.tokenize, max(ws))
+    else:
+        tokens = eng.tokenize(text)
+    ident = Qn.identity(s, eng.info.path, device)
     target = evidence_dir or records.default_evidence_dir("qualify")
     tap = llama.GraphTap(lambda name: Q.ROUTING_NODE.fullmatch(name) is not None)
     with EvidenceWriter(target, "qualify") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("qualify", enabled=not as_json) as bar:
             report, requests = Q.qualify(eng, tap, tokens, ws, resume_at, n_predict, bar)
+        record = Qn.Record(ident, str(eng.info.path), Qn.now_utc(),
+                           Q.verdicts(report["results"], str(writer.final_dir)))
+        writer.write_bytes(Qn.FILE_NAME, Qn.render(record))
+        report["qualification"] = {"path": str(Qn.record_path(ident)), "key": ident.key,
+                                   "evidence_file": Qn.FILE_NAME}
         directory, sha = Q.write_evidence(writer, records.provenance(eng, None, text, tokens), report, requests)
+    stored = Qn.save(record, output.warn)
+    report["qualification"]["auto"] = dict(zip(("width", "mode"), Qn.widest_proven(stored.widths)))
+    report["qualification"]["widths"] = [v.width for v in stored.widths]
     report.update(evidence_dir=str(directory), manifest_sha256=sha)
     if as_json:
         output.emit_json(report)
@@ -123,7 +142,13 @@ def _print_human(r: dict) -> None:
     o.print(f"largest exact cap    {r['largest_exact_cap']} (widest band decoded by the exact runs: "
             f"{r['largest_exact_width']})", highlight=False)
     rec = f"--chunk {r['recommended_cap']}" if r["recommended_bands"] else "q1 (bands off)"
-    o.print(f"recommended          {rec}  ({env})", highlight=False)
+    o.print(f"recommended          {rec}  ({env}; needs no record)", highlight=False)
+    q = r["qualification"]
+    w, mode = r["recommended_chunk"], r["recommended_band_mode"]
+    widest = f"--chunk {w} ({mode} bands)" if w > 1 else "q1 (no wider width is exact)"
+    o.print(f"widest exact width   {widest}; with the record, --chunk auto runs {q['auto']['width']} "
+            f"(recorded widths {_ws(q['widths'])})", highlight=False)
+    o.print(f"record    {escape(q['path'])}", highlight=False)
     if not r["all_exact"]:
         o.print("[yellow]not every width is exact on this build[/yellow] (qualify reports; exit code 0)")
     o.print(f"evidence  {escape(r['evidence_dir'])}  manifest sha256 {r['manifest_sha256']}", highlight=False)

@@ -1,0 +1,94 @@
+"""`dflash sweep`: prefill tokens/s per library and band width, one worker process per library."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from .. import engine as E
+from .. import evidence, records
+from .. import sweep as Sw
+from ..errors import DflashError, UsageError
+from . import output
+from .options import model_option, prompt_options, threads_option
+
+
+@click.command("sweep")
+@model_option
+@prompt_options
+@click.option("--widths", default=Sw.DEFAULT_WIDTHS, show_default=True,
+              help="Band widths, comma-separated (1, the q1 reference, is always measured).")
+@click.option("--libs", default=Sw.DEFAULT_LIBS, show_default=True, help="llama.cpp libraries, comma-separated.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed rounds.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed rounds first.")
+@threads_option
+@click.option("--plot", "plot_path", default=None, help="Also write the tokens/s-vs-width plot to this PNG.")
+@click.option("--evidence", "evidence_dir", default=None,
+              help="Evidence directory to create [default: evidence/runs/sweep-<time>-<id>].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def command(model, weights, prompt, prompt_file, widths, libs, runs, warmup, threads, plot_path,
+            evidence_dir, as_json):
+    """Prefill throughput of each library at each fixed band width, rounds interleaved.
+
+    The prompt (default: the built-in one) is repeated until it has at least the widest width's
+    tokens. Each width is also checked once against its library's q1 (logits of every position and
+    the response, bit for bit). Exits 1 (after writing the evidence) when a width of the exact
+    library differs from its q1."""
+    plan = Sw.Plan(Sw.parse_libs(libs), Sw.parse_widths(widths), runs, warmup,
+                   E.read_prompt(prompt, prompt_file), model, weights, threads)
+    if plot_path and not Path(plot_path).absolute().parent.is_dir():
+        raise UsageError(f"--plot {plot_path}: its folder does not exist")
+    dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("sweep")
+    with evidence.EvidenceWriter(dest, "sweep") as writer:  # a bad --evidence fails before the runs
+        with output.progress_bar("sweep") as progress:
+            m = Sw.measure(plan, progress, log=output.note)
+        r = Sw.result(plan, m)
+        for w in r.warnings:
+            output.warn(w)
+        png = Sw.plot_png(r)
+        options = {"libs": list(plan.libs), "widths_asked": list(plan.widths), "widths": list(r.widths),
+                   "runs": runs, "warmup": warmup, "threads": r.threads, "model": model, "weights": weights,
+                   "verify_n_predict": Sw.VERIFY_N_PREDICT, "plot": plot_path}
+        path, manifest_sha = Sw.write_evidence(writer, sys.argv, options, m, r, png)
+    if plot_path:
+        _write_file(plot_path, png)
+    out = {**r.to_json(), "evidence_dir": str(path), "manifest_sha256": manifest_sha, "plot": plot_path}
+    if as_json:
+        output.emit_json(out)
+    else:
+        show(r, out)
+    if not r.exact_library_exact:
+        raise DflashError(f"a width of the exact library differs from its q1 (evidence {path})")
+
+
+def _write_file(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise DflashError(f"cannot write --plot {path}: {e.strerror}") from None
+
+
+def show(r: Sw.SweepResult, out: dict) -> None:
+    yes = lambda b: "[green]yes[/green]" if b else "[red]no[/red]"
+    fmt = lambda x: "-" if x is None else f"{x:.2f}x"
+    t = Table("library", "width", "median tok/s", "MAD", "= its q1", "vs stock q1", "vs its q1",
+              title=f"prefill sweep, {r.n_prompt_tokens} tokens, {r.threads} threads, {r.runs} timed rounds")
+    for x in r.rows:
+        t.add_row(x.lib, str(x.width), f"{x.median:.1f}", f"{x.mad:.1f}", yes(x.exact),
+                  fmt(x.speedup_vs_stock_q1), fmt(x.speedup_vs_lib_q1))
+    o = output.out
+    o.print(t)
+    if r.taxes:
+        o.print("exactness tax (exact / stock median): "
+                + ", ".join(f"width {x.width} {x.ratio:.2f}x" for x in r.taxes), highlight=False)
+    if out["plot"]:
+        o.print(f"plot {out['plot']}", highlight=False)
+    o.print(f"evidence {out['evidence_dir']}", highlight=False)
+    o.print(f"manifest sha256 {out['manifest_sha256']}", highlight=False)

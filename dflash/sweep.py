@@ -1,0 +1,356 @@
+"""`dflash sweep`: prefill throughput per llama.cpp library and band width, side by side.
+
+One worker process per library (`dflash.sweep_worker`: a process loads one library). The parent
+sends one request at a time and waits for its answer, so at most one worker computes at any
+moment (ggml's threads spin while they work: two busy llama.cpp processes on a few cores slow
+each other down many times over); an idle worker blocks on its stdin and uses no CPU.
+
+Order: per library, one untimed verification request per width (logits of every position and a
+short response; a width is exact when both SHA-256 equal that library's width-1 request), then
+`warmup` untimed rounds and `runs` timed rounds. In a round every library runs every width once;
+the library order alternates between rounds. Every request is cache-cold and prefills the whole
+prompt in fixed-width bands (compressor boundaries ignored); timed requests keep the last
+position's logits only. The timing window is the band loop: every llama_decode of the prompt
+plus copying and hashing its logits (as prefill.run measures).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from . import stats
+from .build import FLAVORS
+from .errors import DflashError, UsageError
+from .settings import ENV_LIB_DIR
+
+DEFAULT_WIDTHS = "1,4,64,512"
+DEFAULT_LIBS = "exact,stock"
+VERIFY_N_PREDICT = 4
+REFERENCE_LIB = "stock"  # speedups are against this library's q1 (width 1)
+
+Log = Callable[[str], None]
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    """'1,4,64,512' -> (1, 4, 64, 512): sorted, distinct, each >= 1. Width 1 (q1, the exactness
+    reference) is always measured, so it is added when missing."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise UsageError(f"--widths {text!r} must be comma-separated positive integers, e.g. 1,4,64,512")
+    widths = {int(p) for p in parts}
+    if 0 in widths:
+        raise UsageError(f"--widths {text!r}: every width must be >= 1")
+    return tuple(sorted(widths | {1}))
+
+
+def parse_libs(text: str) -> tuple[str, ...]:
+    """'exact,stock' -> ('exact', 'stock'), in the order given, each once."""
+    libs = [p.strip() for p in str(text).split(",")]
+    if not any(libs):
+        raise UsageError(f"--libs is empty (use {', '.join(FLAVORS)})")
+    unknown = [lib for lib in libs if lib not in FLAVORS]
+    if unknown:
+        raise UsageError(f"--libs {text!r}: unknown library {unknown[0]!r} (use {', '.join(FLAVORS)})")
+    return tuple(dict.fromkeys(libs))
+
+
+def clamp_widths(widths: tuple[int, ...], n_tokens: int) -> tuple[tuple[int, ...], list[str]]:
+    """Widths wider than the prompt decode fewer tokens than they name: clamp them to it."""
+    if max(widths) <= n_tokens:
+        return widths, []
+    clamped = tuple(sorted({min(w, n_tokens) for w in widths}))
+    return clamped, [f"the prompt has {n_tokens} tokens: widths "
+                     f"{', '.join(str(w) for w in widths if w > n_tokens)} clamped to {n_tokens}"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request's answer."""
+    lib: str
+    width: int
+    kind: str  # "verify" (untimed, every position's logits), "warmup" or "timed"
+    round: int
+    prefill_seconds: float
+    tokens_per_second: float
+    logits_sha256: str
+    response_sha256: str
+    n_bands: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Row:
+    lib: str
+    width: int
+    samples: tuple[float, ...]
+    median: float
+    mad: float
+    exact: bool            # verification hashes equal this library's width-1 verification
+    n_bands: int
+    logits_sha256: str     # of the verification request (every position)
+    response_sha256: str
+    speedup_vs_stock_q1: float | None  # median / the stock library's width-1 median
+    speedup_vs_lib_q1: float           # median / this library's width-1 median
+
+    def to_json(self) -> dict:
+        return {"lib": self.lib, "width": self.width, "median_tokens_per_second": self.median,
+                "mad": self.mad, "exact": self.exact, "samples": list(self.samples), "n": len(self.samples),
+                "n_bands": self.n_bands, "speedup_vs_stock_q1": self.speedup_vs_stock_q1,
+                "speedup_vs_lib_q1": self.speedup_vs_lib_q1, "logits_sha256": self.logits_sha256,
+                "response_sha256": self.response_sha256}
+
+
+@dataclass(frozen=True)
+class Tax:
+    """What exactness costs at one width: the exact library's median over the stock one's."""
+    width: int
+    exact_median: float
+    stock_median: float
+
+    @property
+    def ratio(self) -> float:
+        return self.exact_median / self.stock_median
+
+    def to_json(self) -> dict:
+        return {"width": self.width, "exact_median": self.exact_median, "stock_median": self.stock_median,
+                "exact_over_stock": self.ratio}
+
+
+@dataclass
+class SweepResult:
+    libs: tuple[str, ...]
+    widths: tuple[int, ...]
+    runs: int
+    warmup: int
+    threads: int
+    n_prompt_tokens: int
+    prompt_repeats: int
+    model: str
+    rows: list[Row]
+    taxes: list[Tax]
+    stock_q1_median: float | None
+    warnings: list[str] = field(default_factory=list)
+
+    def row(self, lib: str, width: int) -> Row:
+        return next(r for r in self.rows if r.lib == lib and r.width == width)
+
+    @property
+    def exact_library_exact(self) -> bool:
+        """Every width of the exact library equals its q1 (vacuously true without it)."""
+        return all(r.exact for r in self.rows if r.lib == "exact")
+
+    def to_json(self) -> dict:
+        return {"unit": "prefill tokens/s", "libs": list(self.libs), "widths": list(self.widths),
+                "runs": self.runs, "warmup": self.warmup, "threads": self.threads,
+                "n_prompt_tokens": self.n_prompt_tokens, "prompt_repeats": self.prompt_repeats,
+                "model": self.model, "rows": [r.to_json() for r in self.rows],
+                "exactness_tax": [t.to_json() for t in self.taxes], "stock_q1_median": self.stock_q1_median,
+                "exact_library_exact": self.exact_library_exact, "warnings": list(self.warnings)}
+
+
+def summarize(samples: list[Sample], libs, widths) -> tuple[list[Row], list[Tax], float | None]:
+    """Rows (per library and width: timed medians, MAD, exactness), taxes, the stock q1 median."""
+    timed = {(lib, w): [s.tokens_per_second for s in samples if (s.lib, s.width, s.kind) == (lib, w, "timed")]
+             for lib in libs for w in widths}
+    verify = {(s.lib, s.width): s for s in samples if s.kind == "verify"}
+    medians = {k: stats.median(v) for k, v in timed.items()}
+    stock_q1 = medians.get((REFERENCE_LIB, 1))
+    rows = []
+    for lib in libs:
+        ref = verify[(lib, 1)]
+        for w in widths:
+            v, med = verify[(lib, w)], medians[(lib, w)]
+            rows.append(Row(lib, w, tuple(timed[(lib, w)]), med, stats.mad(timed[(lib, w)]),
+                            (v.logits_sha256, v.response_sha256) == (ref.logits_sha256, ref.response_sha256),
+                            v.n_bands, v.logits_sha256, v.response_sha256,
+                            med / stock_q1 if stock_q1 else None, med / medians[(lib, 1)]))
+    taxes = [Tax(w, medians[("exact", w)], medians[("stock", w)]) for w in widths
+             if ("exact", w) in medians and ("stock", w) in medians]
+    return rows, taxes, stock_q1
+
+
+# --------------------------------------------------------------------------------------------
+# worker processes
+
+
+class Worker:
+    """A `python -m dflash.sweep_worker` process for one library; `call` is one request."""
+
+    def __init__(self, lib: str, setup: dict):
+        self.lib = lib
+        # DFLASH_LLAMA_LIB_DIR stands for the exact library only; the worker picks its own library
+        drop = {"LLAMA_CPP_LIB_PATH"} | ({ENV_LIB_DIR} if lib != "exact" else set())
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.sweep_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            self.ready = self.call({**setup, "lib": lib})
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, msg: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            rc = self.proc.wait()
+            raise DflashError(f"the {self.lib} worker exited (rc={rc}) without an answer")
+        try:
+            answer = json.loads(line)
+        except json.JSONDecodeError:
+            raise DflashError(f"the {self.lib} worker answered {line.strip()[:80]!r}, not JSON") from None
+        if "error" in answer:
+            self.proc.wait()
+            cls = UsageError if answer.get("exit_code") == 2 else DflashError
+            raise cls(f"{self.lib} library: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Plan:
+    libs: tuple[str, ...]
+    widths: tuple[int, ...]
+    runs: int
+    warmup: int
+    prompt: str
+    model: str | None = None
+    weights: str | None = None
+    threads: int | None = None
+
+
+@dataclass
+class Measurement:
+    samples: list[Sample]
+    widths: tuple[int, ...]
+    ready: dict[str, dict]  # lib -> the worker's ready answer (prompt, threads, provenance)
+    warnings: list[str]
+
+
+def schedule(libs, widths, warmup: int, runs: int) -> list[tuple[str, int, str, int]]:
+    """(lib, width, kind, round) in run order: verification per library, then warm-up and timed
+    rounds, each round every library and width once, the library order alternating."""
+    todo = [(lib, w, "verify", 0) for lib in libs for w in widths]
+    for i in range(warmup + runs):
+        order = libs if i % 2 == 0 else tuple(reversed(libs))
+        kind, rnd = ("warmup", i) if i < warmup else ("timed", i - warmup)
+        todo += [(lib, w, kind, rnd) for lib in order for w in widths]
+    return todo
+
+
+def measure(plan: Plan, progress: Callable[[int, int], None] = lambda d, t: None,
+            log: Log = lambda s: None) -> Measurement:
+    setup = {"model": plan.model, "weights": plan.weights, "threads": plan.threads, "prompt": plan.prompt,
+             "min_tokens": max(plan.widths), "max_width": max(plan.widths), "n_predict": VERIFY_N_PREDICT}
+    workers: dict[str, Worker] = {}
+    try:
+        for lib in plan.libs:  # one after the other: the first may write the built-in model
+            log(f"starting the {lib} worker")
+            workers[lib] = Worker(lib, setup)
+        ready = {lib: w.ready for lib, w in workers.items()}
+        prompts = {(r["n_tokens"], r["tokens_sha256"]) for r in ready.values()}
+        if len(prompts) != 1:
+            raise DflashError(f"the libraries tokenized the prompt differently: {sorted(prompts)}")
+        first = next(iter(ready.values()))
+        widths, warnings = clamp_widths(plan.widths, first["n_tokens"])
+        if first["truncated_from"]:
+            warnings.insert(0, f"the prompt ({first['truncated_from']} tokens) was cut to {first['n_tokens']} "
+                               f"to fit the model's context")
+        todo = schedule(plan.libs, widths, plan.warmup, plan.runs)
+        samples = []
+        for k, (lib, w, kind, rnd) in enumerate(todo):
+            a = workers[lib].call({"width": w, "kind": kind})
+            samples.append(Sample(lib, w, kind, rnd, a["prefill_seconds"], a["tokens_per_second"],
+                                  a["logits_sha256"], a["response_sha256"], a["n_bands"]))
+            progress(k + 1, len(todo))
+    finally:
+        for w in workers.values():
+            w.close()
+    return Measurement(samples, widths, ready, warnings)
+
+
+def result(plan: Plan, m: Measurement) -> SweepResult:
+    rows, taxes, stock_q1 = summarize(m.samples, plan.libs, m.widths)
+    first = m.ready[plan.libs[0]]
+    return SweepResult(plan.libs, m.widths, plan.runs, plan.warmup, first["threads"], first["n_tokens"],
+                       first["repeats"], first["provenance"]["model.json"]["path"], rows, taxes, stock_q1,
+                       list(m.warnings))
+
+
+# --------------------------------------------------------------------------------------------
+# plot and evidence
+
+
+def plot_png(r: SweepResult) -> bytes:
+    """Tokens/s against width (log2 axis), one line per library; non-exact widths marked x."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    ax = fig.add_subplot()
+    for lib in r.libs:
+        rows = [x for x in r.rows if x.lib == lib]
+        line, = ax.plot([x.width for x in rows], [x.median for x in rows], marker="o", label=f"{lib} library")
+        ax.errorbar([x.width for x in rows], [x.median for x in rows], yerr=[x.mad for x in rows],
+                    fmt="none", ecolor=line.get_color(), capsize=3)
+        bad = [x for x in rows if not x.exact]
+        if bad:
+            ax.scatter([x.width for x in bad], [x.median for x in bad], marker="x", s=90, color="red",
+                       zorder=3, label=f"{lib}: differs from its q1")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(r.widths), [str(w) for w in r.widths])
+    ax.set_xlabel("band width (tokens per llama_decode)")
+    ax.set_ylabel("prefill tokens/s (median, MAD bars)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"prefill, {r.n_prompt_tokens} tokens, {r.threads} threads, {r.runs} timed rounds")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def write_evidence(w, argv: list[str], options: dict, m: Measurement, r: SweepResult,
+                   png: bytes) -> tuple:
+    """Fill an open EvidenceWriter and commit it; returns (dir, manifest sha256)."""
+    from .records import machine_facts
+    first = m.ready[r.libs[0]]["provenance"]
+    w.write_json("command.json", {**first["command.json"], "argv": list(argv)})
+    w.write_json("machine.json", machine_facts())
+    w.write_json("options.json", options)
+    for lib in r.libs:
+        for name, rec in m.ready[lib]["provenance"].items():
+            if name not in ("command.json", "machine.json"):
+                w.write_json(f"{lib}/{name}", rec)
+    w.write_json("requests.json", {"requests": [s.to_json() for s in m.samples]})
+    w.write_json("verification.json", {"libs": {lib: [s.to_json() for s in m.samples
+                                                       if s.lib == lib and s.kind == "verify"]
+                                                 for lib in r.libs}})
+    if "exact" in r.libs:  # the exact library's claim: every width equals its q1
+        w.add_hash_check("verification.json", "libs.exact", "logits_sha256")
+        w.add_hash_check("verification.json", "libs.exact", "response_sha256")
+    w.write_json("results.json", r.to_json())
+    w.write_bytes("sweep.png", png)
+    return w.commit()

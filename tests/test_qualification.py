@@ -1,0 +1,258 @@
+"""Qualification records and the wide --chunk values they justify: reader/writer, --chunk parsing,
+what `auto` picks, and the CLI end to end on the tiny model."""
+import dataclasses
+import hashlib
+import json
+
+import pytest
+
+from dflash import build
+from dflash import qualification as Qn
+from dflash import settings as S
+from dflash.errors import UsageError
+
+from .conftest import run_dflash, run_json
+
+V = Qn.Verdict
+
+
+def ident(device="cpu"):
+    return Qn.Identity("exact", "build", "0123456789abcdef", "ab" * 32, device)
+
+
+def record(*verdicts, device="cpu"):
+    return Qn.Record(ident(device), "/models/m.gguf", "2025-01-02T03:04:05Z", tuple(verdicts))
+
+
+ALL_EXACT = (V(1, True, 1, True, 1, "/ev"), V(4, True, 4, True, 4, "/ev"), V(8, True, 4, True, 8, "/ev"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader and writer
+
+def test_round_trip(tmp_path):
+    r = record(*ALL_EXACT, device="hip:0,hip:1")
+    p = Qn.write(tmp_path / "q" / "r.json", r)
+    assert Qn.read(p) == r and Qn.parse(Qn.render(r)) == r
+    d = json.loads(p.read_text())
+    assert (d["schema"], d["schema_version"], d["key"]) == (Qn.SCHEMA, Qn.SCHEMA_VERSION, r.identity.key)
+    assert [w["width"] for w in d["widths"]] == [1, 4, 8]
+    assert not list((tmp_path / "q").glob(".*.tmp"))  # the temporary sibling is gone
+
+
+def edited(**changes):
+    d = Qn.to_json(record(*ALL_EXACT))
+    d.update(changes)
+    return json.dumps(d).encode()
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b"", "not valid JSON"),
+    (b"{\"schema\": ", "not valid JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (edited(schema="dflash.evidence"), "schema is 'dflash.evidence'"),
+    (edited(schema_version=2), "schema_version is 2"),
+    (edited(schema_version=True), "schema_version is True"),
+    (edited(extra=1), "unknown ['extra']"),
+    (edited(key="0" * 24), "key does not match"),
+    (edited(device="gpu"), "device 'gpu'"),
+    (edited(updated_utc="yesterday"), "updated_utc"),
+    (edited(widths=[]), "non-empty list"),
+    (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[0]), fixed_exact=1)]), "fixed_exact is not true or false"),
+    (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[1]), width=513)]), "not in 1..512"),
+    (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[1]), fixed_widest_band=5)]),
+     "fixed_widest_band is not in 1..4"),
+    (edited(widths=[dataclasses.asdict(ALL_EXACT[1]), dataclasses.asdict(ALL_EXACT[0])]), "sorted and unique"),
+    (edited(model={"sha256": "AB" * 32, "path": "m"}), "model is not"),
+    (b"{\"schema\": NaN}", "not valid JSON"),
+])
+def test_strict_reader(raw, needle):
+    with pytest.raises(Qn.RecordError) as e:
+        Qn.parse(raw)
+    assert needle in str(e.value)
+
+
+def test_load_treats_a_corrupt_or_foreign_record_as_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    r = record(*ALL_EXACT)
+    warnings = []
+    assert Qn.load(r.identity, warnings.append) is None and warnings == []  # no record: silent
+    path = Qn.record_path(r.identity)
+    assert path.parent == tmp_path / "dflash" / "qualifications"
+    assert Qn.save(r, warnings.append) == r and Qn.load(r.identity, warnings.append) == r
+    path.write_bytes(b"\x00garbage")
+    assert Qn.load(r.identity, warnings.append) is None
+    assert len(warnings) == 1 and str(path) in warnings[0] and "\n" not in warnings[0]
+    Qn.write(path, record(*ALL_EXACT, device="hip:0"))  # valid, but about another device
+    assert Qn.load(r.identity, warnings.append) is None and "another" in warnings[-1]
+
+
+def test_save_merges_widths(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    Qn.save(record(*ALL_EXACT), print)
+    again = record(V(1, True, 1, True, 1, "/ev2"), V(8, True, 4, False, 8, "/ev2"), V(64, True, 4, True, 64, "/ev2"))
+    stored = Qn.save(again, print)
+    assert [(v.width, v.evidence_dir) for v in stored.widths] == [(1, "/ev2"), (4, "/ev"), (8, "/ev2"), (64, "/ev2")]
+    assert Qn.read(Qn.record_path(again.identity)) == stored
+
+
+# ---------------------------------------------------------------------------------------------
+# What a record proves
+
+def test_auto_takes_the_widest_proven_width_and_prefers_fixed():
+    assert Qn.widest_proven(ALL_EXACT) == (8, S.FIXED)
+    planner_only = (V(1, True, 1, True, 1), V(8, True, 4, False, 8))
+    assert Qn.widest_proven(planner_only) == (8, S.PLANNER)
+    assert Qn.proven_mode(planner_only, 8) == S.PLANNER and Qn.proven_mode(planner_only, 4) is None
+
+
+def test_auto_never_picks_an_inexact_width():
+    vs = (V(1, True, 1, True, 1), V(4, True, 4, True, 4), V(8, False, 4, False, 8))
+    assert Qn.widest_proven(vs) == (4, S.FIXED) and Qn.proven_mode(vs, 8) is None
+    # a wider exact width above an inexact one is not proven: its tails would decode that width
+    vs = (V(1, True, 1, True, 1), V(6, False, 4, False, 6), V(8, True, 4, True, 8))
+    assert Qn.widest_proven(vs) == (1, S.FIXED)
+    stock = (V(1, True, 1, True, 1), V(2, False, 2, False, 2), V(4, False, 4, False, 4))
+    assert Qn.widest_proven(stock) == (1, S.FIXED)  # q1
+
+
+def test_identity_key_depends_on_every_part():
+    keys = {ident().key, ident("hip:0").key, dataclasses.replace(ident(), flavor="stock").key,
+            dataclasses.replace(ident(), model_sha256="cd" * 32).key,
+            dataclasses.replace(ident(), library_key="fedcba9876543210").key}
+    assert len(keys) == 5 and all(len(k) == 24 for k in keys)
+
+
+def test_dir_key_hashes_the_library_files(tmp_path):
+    (tmp_path / "libllama.so").write_bytes(b"llama")
+    (tmp_path / "libggml-cpu.so").write_bytes(b"cpu")
+    (tmp_path / "notes.txt").write_text("not a library")
+    k = Qn.dir_key(tmp_path)
+    (tmp_path / "notes.txt").write_text("still not a library")
+    assert Qn.dir_key(tmp_path) == k and len(k) == 64
+    (tmp_path / "libggml-cpu.so").write_bytes(b"cpu2")
+    assert Qn.dir_key(tmp_path) != k
+    with pytest.raises(UsageError, match="no libllama.so"):
+        Qn.dir_key(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# --chunk parsing and settings
+
+@pytest.mark.parametrize("text,value", [("auto", "auto"), ("AUTO", "auto"), ("1", 1), (" 4 ", 4),
+                                        ("512", 512), (64, 64), (None, None)])
+def test_parse_chunk(text, value):
+    assert S.parse_chunk(text) == value
+
+
+@pytest.mark.parametrize("text,needle", [("0", "out of range"), ("513", "out of range"), (-1, "out of range"),
+                                         ("x", "malformed"), ("4.5", "malformed"), ("", "malformed")])
+def test_parse_chunk_rejects(text, needle):
+    with pytest.raises(UsageError, match=needle):
+        S.parse_chunk(text)
+
+
+def test_wide_chunk_settings():
+    q = S.Qualified("/r.json", "k" * 24, 8, S.FIXED)
+    s = S.resolve({}, chunk="8", qualified=q)
+    assert (s.bands, s.bands_from, s.cap, s.fixed, s.qualified) == (True, "chunk", 8, True, q)
+    assert s.leaves_narrow_path and s.warnings() == []  # the record proves it: no batched warning
+    s = S.resolve({}, chunk="auto", qualified=dataclasses.replace(q, mode=S.PLANNER))
+    assert (s.cap, s.fixed, s.chunk_requested) == (8, False, "auto")
+    s = S.resolve({}, chunk="auto")  # no record: today's 4
+    assert (s.bands, s.cap, s.qualified) == (True, 4, None)
+    s = S.resolve({S.ENV_BANDS: "1"}, bands=False, chunk="64")  # --no-bands: q1, no record needed
+    assert (s.bands, s.cap, s.qualified) == (False, 1, None)
+    with pytest.raises(UsageError, match="--chunk 16"):
+        S.resolve({}, chunk=16, qualified=q)  # the record proves 8, not 16
+    s = S.resolve({S.ENV_BANDS: "1"}, chunk=4, qualified=q)  # narrow: as today, no record
+    assert (s.cap, s.fixed, s.qualified) == (4, False, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI, without llama.cpp (plan; prefill refusing before it loads anything)
+
+def hand_record(monkeypatch, tmp_path, model, verdicts):
+    """A record for `model` on the exact built library and the CPU, written into tmp_path's cache."""
+    i = Qn.Identity("exact", "build", build.build_key("exact"),
+                    hashlib.sha256(model.read_bytes()).hexdigest(), "cpu")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return Qn.write(Qn.record_path(i), Qn.Record(i, str(model), Qn.now_utc(), tuple(verdicts)))
+
+
+def test_auto_with_a_hand_written_record_picks_the_exact_width(tiny_models, tmp_path, monkeypatch):
+    m = tiny_models["q8_0"]
+    path = hand_record(monkeypatch, tmp_path, m,
+                       [V(1, True, 1, True, 1), V(4, True, 4, True, 4), V(8, False, 4, False, 8)])
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    d = run_json("plan", "--n-tokens", 10, "--model", m, "--chunk", "auto", env=env)
+    assert d["cap"] == 4 and d["band_mode"] == "fixed" and d["widths"] == [4, 4, 2]
+    assert d["qualification"] == {"path": str(path), "key": path.stem, "width": 4, "mode": "fixed"}
+    r = run_dflash("plan", "--n-tokens", 10, "--model", m, "--chunk", 8, env=env)
+    assert r.returncode == 2 and "no qualification record proves width 8" in r.stderr
+    r = run_dflash("prefill", "--model", m, "--chunk", 8, "--threads", 1, env=env)
+    assert r.returncode == 2 and f"dflash qualify --model {m} --widths 8" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_corrupt_record_is_no_record(tiny_models, tmp_path, monkeypatch):
+    m = tiny_models["q8_0"]
+    path = hand_record(monkeypatch, tmp_path, m, [V(1, True, 1, True, 1)])
+    path.write_text("{\"schema\": \"dflash.qualification\"")
+    r = run_dflash("plan", "--n-tokens", 10, "--model", m, "--chunk", "auto", "--json",
+                   env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 0 and json.loads(r.stdout)["cap"] == 4 and json.loads(r.stdout)["qualification"] is None
+    assert "ignoring qualification record" in r.stderr and "no qualification record" in r.stderr
+    assert "dflash qualify" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--chunk", "513"], "--chunk 513 is out of range"),
+    (["--chunk", "wide"], "--chunk 'wide' is malformed"),
+    (["--chunk", "0"], "out of range"),
+    (["--chunk", "auto"], "needs --model"),
+    (["--chunk", "64", "--ratios", "4"], "needs --model"),
+])
+def test_plan_chunk_errors(args, needle):
+    r = run_dflash("plan", "--n-tokens", 5, *args)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plan_no_bands_ignores_a_wide_chunk():
+    assert run_json("plan", "--n-tokens", 3, "--chunk", 64, "--no-bands")["widths"] == [1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: qualify writes a record, prefill runs what it proves
+
+@pytest.fixture
+def cache_with_library(tmp_path):
+    """A temporary XDG cache that shares the built llama.cpp libraries of the real one."""
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "llama").symlink_to(build.cache_root() / "llama")
+    return {"XDG_CACHE_HOME": str(tmp_path)}
+
+
+def test_qualify_then_wide_prefill(tiny_models, tmp_path, cache_with_library):
+    env, m = cache_with_library, tiny_models["f32"]
+    ev = tmp_path / "ev"
+    q = run_json("qualify", "--model", m, "--widths", "1,4,8", "--threads", 1, "--n-predict", 2,
+                 "--evidence", ev, env=env)
+    assert q["all_exact"] and q["recommended_chunk"] == 8 and q["recommended_band_mode"] == "fixed"
+    rec = Qn.read(q["qualification"]["path"])
+    assert [(v.width, v.planner_exact, v.fixed_exact, v.fixed_widest_band) for v in rec.widths] == \
+        [(1, True, True, 1), (4, True, True, 4), (8, True, True, 8)]
+    assert rec.identity.key == q["qualification"]["key"] and rec.widths[0].evidence_dir == str(ev)
+    assert Qn.read(ev / Qn.FILE_NAME) == rec and q["qualification"]["auto"] == {"width": 8, "mode": "fixed"}
+    assert run_json("verify", ev)["ok"]
+
+    d = run_json("prefill", "--model", m, "--chunk", 8, "--threads", 1, "--n-predict", 2, "--compare-q1", env=env)
+    assert d["identical_to_q1"] and max(d["widths"]) == 8 and d["band_mode"] == "fixed" and d["warnings"] == []
+    a = run_json("prefill", "--model", m, "--chunk", "auto", "--threads", 1, "--n-predict", 2, env=env)
+    assert a["chunk"] == 8 and a["chunk_requested"] == "auto"
+    assert a["qualification"] == {"path": q["qualification"]["path"], "key": rec.identity.key, "width": 8,
+                                  "mode": "fixed"}
+    assert (a["logits_sha256"], a["response_sha256"]) == (d["logits_sha256"], d["response_sha256"])
+    r = run_dflash("prefill", "--model", m, "--chunk", 64, "--threads", 1, env=env)
+    assert r.returncode == 2 and "dflash qualify" in r.stderr and "--widths 64" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

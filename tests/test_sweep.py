@@ -1,0 +1,143 @@
+"""`dflash sweep`: parsing, the schedule and summary math (pure), one short real run, and the
+NLL benchmark's arithmetic. Speed is never asserted."""
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dflash import sweep as Sw
+from dflash.errors import UsageError
+from dflash.sweep_worker import repeat_to
+
+from .conftest import ROOT, run_dflash, run_json
+from .test_cli import assert_one_line_error
+
+
+def test_parse_widths():
+    assert Sw.parse_widths("1,4,64,512") == (1, 4, 64, 512)
+    assert Sw.parse_widths(" 64, 4,4 ") == (1, 4, 64)  # sorted, distinct, q1 added
+    for bad in ("", "1,x", "1,,4", "-4", "0,4", "1.5", "4;8"):
+        with pytest.raises(UsageError, match="--widths"):
+            Sw.parse_widths(bad)
+
+
+def test_parse_libs():
+    assert Sw.parse_libs("exact,stock") == ("exact", "stock")
+    assert Sw.parse_libs("stock, exact,stock") == ("stock", "exact")
+    for bad, needle in (("", "empty"), ("exact,fast", "'fast'"), (" , ", "empty")):
+        with pytest.raises(UsageError, match=needle):
+            Sw.parse_libs(bad)
+
+
+def test_clamp_widths():
+    assert Sw.clamp_widths((1, 4, 64), 100) == ((1, 4, 64), [])
+    widths, warnings = Sw.clamp_widths((1, 4, 64, 512), 50)
+    assert widths == (1, 4, 50) and "64, 512 clamped to 50" in warnings[0]
+
+
+def test_repeat_to():
+    tok = lambda s: list(range(1 + len(s) // 5))  # BOS + one token per 5 characters
+    text, tokens, k = repeat_to(tok, "abcdefghij", 3)
+    assert (text, k, len(tokens)) == ("abcdefghij", 1, 3)
+    text, tokens, k = repeat_to(tok, "abcdefghij", 40)
+    assert len(tokens) >= 40 and text == " ".join(["abcdefghij"] * k)
+    assert len(tok(" ".join(["abcdefghij"] * (k - 1)))) < 40  # the fewest repeats that reach it
+
+
+def test_schedule_interleaves_rounds_and_alternates_libraries():
+    todo = Sw.schedule(("exact", "stock"), (1, 4), warmup=1, runs=2)
+    assert todo[:4] == [("exact", 1, "verify", 0), ("exact", 4, "verify", 0),
+                        ("stock", 1, "verify", 0), ("stock", 4, "verify", 0)]
+    rounds = [todo[4 + 4 * i: 8 + 4 * i] for i in range(3)]
+    assert [r[0][:3] for r in rounds] == [("exact", 1, "warmup"), ("stock", 1, "timed"), ("exact", 1, "timed")]
+    assert {(lib, w) for lib, w, _, _ in rounds[1]} == {("exact", 1), ("exact", 4), ("stock", 1), ("stock", 4)}
+    assert [x[3] for x in todo if x[2] == "timed"] == [0] * 4 + [1] * 4
+
+
+def sample(lib, w, kind, tps, logits="L", resp="R", rnd=0):
+    return Sw.Sample(lib, w, kind, rnd, 100 / tps, tps, logits, resp, 100 // w)
+
+
+def test_summary_math():
+    samples = [sample("exact", 1, "verify", 1.0), sample("exact", 4, "verify", 1.0),
+               sample("stock", 1, "verify", 1.0, logits="S"), sample("stock", 4, "verify", 1.0, logits="T")]
+    samples += [sample(lib, w, "warmup", 1.0) for lib in ("exact", "stock") for w in (1, 4)]  # ignored
+    for i, (e1, e4, s1, s4) in enumerate([(10, 30, 20, 80), (12, 34, 22, 70), (11, 32, 18, 90)]):
+        samples += [sample("exact", 1, "timed", e1, rnd=i), sample("exact", 4, "timed", e4, rnd=i),
+                    sample("stock", 1, "timed", s1, rnd=i), sample("stock", 4, "timed", s4, rnd=i)]
+    rows, taxes, stock_q1 = Sw.summarize(samples, ("exact", "stock"), (1, 4))
+    by = {(r.lib, r.width): r for r in rows}
+    assert stock_q1 == 20
+    assert by[("exact", 4)].median == 32 and by[("exact", 4)].mad == 2 and by[("exact", 4)].samples == (30, 34, 32)
+    assert by[("exact", 4)].exact and by[("exact", 1)].exact
+    assert by[("stock", 1)].exact and not by[("stock", 4)].exact  # logits T differ from its q1's S
+    assert by[("exact", 4)].speedup_vs_stock_q1 == pytest.approx(1.6)
+    assert by[("exact", 4)].speedup_vs_lib_q1 == pytest.approx(32 / 11)
+    assert [(t.width, t.ratio) for t in taxes] == [(1, pytest.approx(11 / 20)), (4, pytest.approx(32 / 80))]
+    r = Sw.SweepResult(("exact", "stock"), (1, 4), 3, 1, 1, 100, 1, "m.gguf", rows, taxes, stock_q1)
+    d = json.loads(json.dumps(r.to_json()))
+    assert d["exact_library_exact"] is True and d["exactness_tax"][1]["exact_over_stock"] == pytest.approx(0.4)
+    assert {"lib", "width", "median_tokens_per_second", "mad", "exact", "samples"} <= set(d["rows"][0])
+    png = Sw.plot_png(r)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_summary_without_stock_has_no_stock_speedup():
+    samples = [sample("exact", w, k, 5.0 * w) for w in (1, 4) for k in ("verify", "timed")]
+    rows, taxes, stock_q1 = Sw.summarize(samples, ("exact",), (1, 4))
+    assert stock_q1 is None and taxes == [] and rows[1].speedup_vs_stock_q1 is None
+    assert rows[1].speedup_vs_lib_q1 == 4.0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--widths", "1,x"], "--widths"), (["--widths", "0"], "--widths"), (["--libs", "exact,fast"], "'fast'"),
+    (["--libs", ""], "--libs"), (["--plot", "/nonexistent/dir/p.png"], "--plot"),
+    (["--prompt", "  "], "prompt is empty"), (["--runs", "0"], "--runs"),
+])
+def test_sweep_bad_input_is_one_line_exit_2(args, needle):
+    assert_one_line_error(run_dflash("sweep", *args), 2, needle)
+
+
+def test_sweep_runs_and_its_evidence_verifies(tmp_path, tiny_models):
+    ev, png = tmp_path / "ev", tmp_path / "sweep.png"
+    d = run_json("sweep", "--model", tiny_models["f32"], "--widths", "1,4", "--libs", "exact", "--runs", 1,
+                 "--warmup", 0, "--threads", 1, "--evidence", ev, "--plot", png)
+    assert [(r["lib"], r["width"]) for r in d["rows"]] == [("exact", 1), ("exact", 4)]
+    for r in d["rows"]:
+        assert r["exact"] is True and r["median_tokens_per_second"] > 0 and len(r["samples"]) == 1
+        assert r["mad"] == 0 and r["speedup_vs_stock_q1"] is None
+    assert d["n_prompt_tokens"] >= 4 and d["threads"] == 1 and d["exact_library_exact"] is True
+    assert png.read_bytes() == (ev / "sweep.png").read_bytes()
+    assert json.loads((ev / "results.json").read_text())["rows"] == d["rows"]
+    requests = json.loads((ev / "requests.json").read_text())["requests"]
+    assert sorted((q["kind"], q["width"]) for q in requests) == [("timed", 1), ("timed", 4), ("verify", 1), ("verify", 4)]
+    v = run_json("verify", ev, "--manifest-sha256", d["manifest_sha256"])
+    assert v["ok"] is True and v["n_hash_checks"] == 2
+
+
+def _nll_module():
+    spec = importlib.util.spec_from_file_location("nll_bench", ROOT / "benchmarks" / "nll.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nll_arithmetic():
+    mean_nll = _nll_module().mean_nll
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((70, 9)).astype(np.float32) * 5
+    tokens = list(rng.integers(0, 9, 70))
+    x = logits.astype(np.float64)
+    want = np.mean([math.log(np.exp(x[t]).sum()) - x[t, tokens[t + 1]] for t in range(69)])
+    assert mean_nll(logits, tokens, rows=8) == pytest.approx(want, rel=1e-12)
+    assert mean_nll(np.zeros((3, 4), np.float32), [0, 1, 2]) == pytest.approx(math.log(4))
+
+
+def test_nll_missing_text_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nll.py"), "--model", str(tmp_path / "m.gguf"),
+                        "--text-file", str(tmp_path / "none.txt")], capture_output=True, text=True)
+    assert p.returncode == 2 and "none.txt not found" in p.stderr and "Traceback" not in p.stderr

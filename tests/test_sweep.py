@@ -141,3 +141,15 @@ def test_nll_missing_text_is_a_clear_error(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nll.py"), "--model", str(tmp_path / "m.gguf"),
                         "--text-file", str(tmp_path / "none.txt")], capture_output=True, text=True)
     assert p.returncode == 2 and "none.txt not found" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_committed_sweep_example_verifies():
+    """The committed sweep (tiny Q4_K_M model, exact vs stock, widths 1..512) is intact, and its
+    verification records show every exact-library width with q1's hashes."""
+    example = ROOT / "evidence" / "example-sweep-tiny-q4_k_m"
+    r = run_dflash("verify", example)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((example / "results.json").read_text())["rows"]
+    assert {(x["lib"], x["width"]) for x in rows} >= {("exact", w) for w in (1, 4, 64, 512)}
+    assert all(x["exact"] for x in rows if x["lib"] == "exact")
+    assert not all(x["exact"] for x in rows if x["lib"] == "stock")

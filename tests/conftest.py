@@ -1,8 +1,11 @@
 """Shared fixtures: the tiny models (written once per session) and a CLI runner in a subprocess."""
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,25 @@ from dflash import tiny_model
 from dflash.settings import ENV_DEBUG, ENV_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _isolate_qualification_records() -> None:
+    """Run the tests on a cache of their own that shares the user's built libraries, models and
+    sources (symlinks) but not the qualification records: a record left by a run (the user's or
+    an earlier test run) would change what --chunk auto and --chunk N > 4 do."""
+    from dflash.build import cache_root
+    real = cache_root()
+    real.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-test-cache-", dir=real.parent))  # same file system
+    (tmp / "dflash").mkdir()
+    for entry in ("llama", "models", "sdist", "src"):
+        (real / entry).mkdir(exist_ok=True)
+        (tmp / "dflash" / entry).symlink_to(real / entry, target_is_directory=True)
+    os.environ["XDG_CACHE_HOME"] = str(tmp)
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+
+
+_isolate_qualification_records()
 # a developer's own flags must not change what the tests run (the tests set what they need)
 CLEAN_ENV = (*ENV_FLAGS, ENV_DEBUG, "LLAMA_CPP_LIB_PATH")
 # llama.cpp threads of the in-process exactness tests (DFLASH_TEST_THREADS=1 on a busy small machine)

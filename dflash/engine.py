@@ -95,10 +95,6 @@ class Engine:
     threads: int
     device: str = "cpu"
 
-    @property
-    def exact(self) -> bool:
-        return self.settings.lib == "exact"
-
     def tokenize(self, prompt: str) -> list[int]:
         tokens = self.model.tokenize(prompt)
         if not tokens:

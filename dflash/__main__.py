@@ -1,3 +1,3 @@
-from .cli import main
+from .supervisor import main
 
 main()

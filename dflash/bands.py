@@ -11,9 +11,12 @@ With bands off every width is 1 (q1, the reference schedule).
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+
+from .errors import UsageError
 
 NARROW = "narrow"    # width <= narrow ceiling: batch-invariant matrix-vector kernels
 BATCHED = "batched"  # wider: batched (MMQ) kernels, outside the narrow exact path
@@ -118,3 +121,37 @@ def summarize_widths(ws: Sequence[int], limit: int = 60) -> str:
     if len(text) <= limit:
         return text
     return "counts " + " ".join(f"{w}:{c}" for w, c in sorted(Counter(ws).items(), reverse=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules named on the command line (dflash diff --a/--b)
+
+SCHEDULE_HELP = ("q1 (one token per decode); wN (fixed width N, ignoring compressor boundaries); "
+                 "bandsN (the band planner with cap N: boundary-aware); one (the whole prompt in one "
+                 "decode); or a comma list of widths that sums to the prompt length, e.g. 4,4,2")
+
+
+def parse_schedule(spec: str, n_tokens: int, ratios: Iterable[int] = ()) -> list[int]:
+    """Band widths for a schedule spec (grammar: SCHEDULE_HELP) over n_tokens from position 0."""
+    s = spec.strip().lower()
+    if n_tokens < 1:
+        raise UsageError("no tokens to schedule")
+    if s == "q1":
+        return [1] * n_tokens
+    if s == "one":
+        return [n_tokens]
+    m = re.fullmatch(r"(w|bands)(\d+)", s)
+    if m:
+        cap = int(m.group(2))
+        if cap < 1:
+            raise UsageError(f"schedule {spec!r}: the width must be >= 1")
+        chosen = fixed_bands(n_tokens, cap) if m.group(1) == "w" else plan(n_tokens, 0, ratios, cap)
+        return widths(chosen)
+    if re.fullmatch(r"\d+(,\d+)*", s):
+        ws = [int(x) for x in s.split(",")]
+        if min(ws) < 1:
+            raise UsageError(f"schedule {spec!r}: widths must be >= 1")
+        if sum(ws) != n_tokens:
+            raise UsageError(f"schedule {spec!r} covers {sum(ws)} tokens, the prompt has {n_tokens}")
+        return ws
+    raise UsageError(f"schedule {spec!r} is not one of: {SCHEDULE_HELP}")

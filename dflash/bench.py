@@ -8,12 +8,12 @@ before it, nor the response decode after it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
 
-from . import prefill as P
-from . import stats
+from . import prefill, records, stats
 from .engine import Engine
+from .results import ArmStats, BenchResult, BenchSummary, Library
 
 Q1_A, CANDIDATE, Q1_B = "q1_a", "candidate", "q1_b"
 ARMS = (Q1_A, CANDIDATE, Q1_B)
@@ -56,7 +56,7 @@ def run(eng: Engine, tokens: list[int], *, warmup: int = 2, runs: int = 5,
     samples = []
     try:
         for k, (arm, i) in enumerate(todo):
-            r = P.run(ctx, P.Request(tokens, schedules[arm], n_predict, logits))
+            r = prefill.run(ctx, prefill.Request(tokens, schedules[arm], n_predict, logits))
             samples.append(Sample(arm, i, i < warmup, r.prefill_seconds, r.prefill_tokens_per_second,
                                   r.logits_sha256, r.response_sha256, r.response_tokens_sha256))
             progress(k + 1, len(todo))
@@ -65,27 +65,29 @@ def run(eng: Engine, tokens: list[int], *, warmup: int = 2, runs: int = 5,
     return samples, {arm: [b.width for b in s] for arm, s in schedules.items()}
 
 
-def summarize(samples: list[Sample]) -> dict:
+def summarize(samples: list[Sample]) -> BenchSummary:
     measured = {arm: [s.tokens_per_second for s in samples if s.arm == arm and not s.warmup]
                 for arm in ARMS}
-    arms = [{"name": arm, **stats.summarize(measured[arm])} for arm in ARMS]
+    arms = []
+    for arm in ARMS:
+        st = stats.summarize(measured[arm])
+        arms.append(ArmStats(arm, tuple(st["samples"]), st["median"], st["mad"], st["n"]))
     q1_pooled = stats.median(measured[Q1_A] + measured[Q1_B])
     cand = stats.median(measured[CANDIDATE])
     first = samples[0]
-    return {
-        "unit": "prefill tokens/s",
-        "arms": arms,
-        "q1_pooled_median": q1_pooled,
-        "gain_percent": stats.gain_percent(cand, q1_pooled),
-        "speedup": cand / q1_pooled,
-        "drift_percent": stats.drift_percent(stats.median(measured[Q1_A]), stats.median(measured[Q1_B])),
-        "response_hashes_identical": all(s.response_sha256 == first.response_sha256 for s in samples),
-        "logits_hashes_identical": all(s.logits_sha256 == first.logits_sha256 for s in samples),
-        "hashes_identical": all((s.response_sha256, s.logits_sha256) ==
-                                (first.response_sha256, first.logits_sha256) for s in samples),
-        "response_sha256": first.response_sha256,
-        "logits_sha256": first.logits_sha256,
-    }
+    return BenchSummary(
+        arms=tuple(arms),
+        q1_pooled_median=q1_pooled,
+        gain_percent=stats.gain_percent(cand, q1_pooled),
+        speedup=cand / q1_pooled,
+        drift_percent=stats.drift_percent(stats.median(measured[Q1_A]), stats.median(measured[Q1_B])),
+        response_hashes_identical=all(s.response_sha256 == first.response_sha256 for s in samples),
+        logits_hashes_identical=all(s.logits_sha256 == first.logits_sha256 for s in samples),
+        hashes_identical=all((s.response_sha256, s.logits_sha256) ==
+                             (first.response_sha256, first.logits_sha256) for s in samples),
+        response_sha256=first.response_sha256,
+        logits_sha256=first.logits_sha256,
+    )
 
 
 def requests_record(samples: list[Sample]) -> dict:
@@ -93,14 +95,33 @@ def requests_record(samples: list[Sample]) -> dict:
 
 
 def write_evidence(w, provenance: dict[str, dict], options: dict, samples: list[Sample],
-                   widths: dict, summary: dict) -> tuple:
+                   widths: dict, summary: BenchSummary) -> tuple:
     """Fill an open EvidenceWriter and commit it; returns (dir, manifest sha256)."""
     for name, rec in provenance.items():
         w.write_json(name, rec)
     w.write_json("options.json", options)
     w.write_json("schedules.json", widths)
     w.write_json("requests.json", requests_record(samples))
-    w.write_json("summary.json", summary)
+    w.write_json("summary.json", summary.to_json())
     w.add_hash_check("requests.json", "requests", "response_sha256")
     w.add_hash_check("requests.json", "requests", "logits_sha256")
     return w.commit()
+
+
+def bench(eng: Engine, text: str, tokens: list[int], writer, *, warmup: int = 2, runs: int = 5,
+          interleave: bool = False, n_predict: int = 8, logits: str = "all", device: str | None = None,
+          progress: Callable[[int, int], None] = lambda d, t: None) -> BenchResult:
+    """Run the A/B/A requests, fill the open EvidenceWriter `writer` (provenance, options, every
+    request, the summary) and commit it; the result names the evidence and its manifest SHA-256."""
+    s = eng.settings
+    samples, widths = run(eng, tokens, warmup=warmup, runs=runs, interleave=interleave, n_predict=n_predict,
+                          logits=logits, progress=progress)
+    summary = summarize(samples)
+    options = {"chunk": s.chunk, "chunk_requested": s.chunk_requested,
+               "band_mode": "fixed" if s.fixed else "planner", "warmup": warmup, "runs": runs,
+               "interleave": interleave, "n_predict": n_predict, "logits": logits, "lib": s.lib,
+               "threads": eng.threads, "n_prompt_tokens": len(tokens), "device": device}
+    path, manifest_sha = write_evidence(writer, records.provenance(eng, None, text, tokens), options, samples,
+                                        widths, summary)
+    return BenchResult(summary, len(tokens), eng.threads, Library(s.lib, str(eng.lib_dir)), s.chunk, s.qualified,
+                       str(path), manifest_sha)

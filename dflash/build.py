@@ -18,25 +18,20 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .errors import DflashError
+from .paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROOT, cache_root
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-LLAMA_CPP_COMMIT = "0c1e57098"
-FLAVORS = ("exact", "stock")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["FLAVORS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT", "build_key", "build_library",
+           "cache_root", "install_dir", "is_built", "library_dir", "source_dir"]
+
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact"),
                "stock": ("cpu_kernels/patches/common",)}  # the patch set each flavor applies
 
 Log = Callable[[str], None]
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dflash"
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,6 +131,8 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
         return library_dir(flavor, gpu)
     if shutil.which("cmake") is None:
         raise DflashError("cmake is not installed (apt-get install cmake)")
+    from .supervisor import stage
+    stage(f"build of the {flavor} llama.cpp library")
     src = source_dir(log)
     dest = install_dir(flavor, gpu)
     work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-", dir=cache_root()))

@@ -72,8 +72,7 @@ def hip_devices() -> tuple[list[Device], str | None]:
         return [], f"the ROCm runtime found no HIP device ({getattr(err, 'name', err)})"
     out = []
     for i in range(count):
-        props = hip.hipDeviceProp_t()
-        _check(hip.hipGetDeviceProperties(props, i))
+        props = _check(hip.hipGetDeviceProperties(i))  # hip-python returns (err, props)
         arch = props.gcnArchName.decode() if isinstance(props.gcnArchName, bytes) else str(props.gcnArchName)
         name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
         out.append(Device(f"hip:{i}", name, arch.split(":")[0], int(props.totalGlobalMem),

@@ -6,17 +6,20 @@ llama.cpp and turns every failure into a DflashError with one line of text.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from . import bands as B
-from . import build, devices, gguf_meta, llama, tiny_model
+from . import bands, build, devices, gguf_meta, llama, tiny_model
 from .errors import DflashError, UsageError
 from .settings import Settings
 from .settings import resolve as resolve_settings
 
 Log = Callable[[str], None]
+
+MAX_THREADS = 512   # ggml's GGML_MAX_N_THREADS (its thread pool arrays); more crashes llama.cpp
+MAX_CTX = 2**32 - 1  # llama_context_params.n_ctx is a uint32_t
 
 # A built-in prompt long enough to cross the ratio-4 and ratio-128 boundaries and the tiny
 # model's 64-token sliding window (the test tokenizer makes one token of every 5 characters).
@@ -36,12 +39,18 @@ def resolve_model(path: str | None, weights: str = tiny_model.DEFAULT_WEIGHTS) -
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
-    if prompt_file is not None:
+    if prompt_file == "-":
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError("the prompt on standard input is not valid UTF-8") from None
+        except OSError as e:
+            raise UsageError(f"cannot read the prompt from standard input: {e.strerror}") from None
+    elif prompt_file is not None:
         p = Path(prompt_file)
-        if p.is_dir():
-            raise UsageError(f"prompt file is a directory: {prompt_file}")
-        if not p.is_file():
-            raise UsageError(f"prompt file not found: {prompt_file}")
+        problem = gguf_meta.path_problem(p)
+        if problem:
+            raise UsageError(f"prompt file {problem}: {prompt_file}")
         try:
             prompt = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -95,6 +104,16 @@ class Engine:
     threads: int
     device: str = "cpu"
 
+    def close(self) -> None:
+        """Free the model (contexts are closed by their owners)."""
+        self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def tokenize(self, prompt: str) -> list[int]:
         tokens = self.model.tokenize(prompt)
         if not tokens:
@@ -107,8 +126,10 @@ class Engine:
         limit = self.model.n_ctx_train or self.info.context_length or 0
         need = n_tokens + n_predict
         if ctx is not None:
-            if ctx < 1:
-                raise UsageError(f"--ctx {ctx} must be >= 1")
+            if not 1 <= ctx <= MAX_CTX:  # llama_context_params.n_ctx is 32 bits: no silent wrap
+                raise UsageError(f"--ctx {ctx} is outside 1..{MAX_CTX}")
+            if limit and ctx > limit:
+                raise UsageError(f"--ctx {ctx} exceeds the model's context length {limit}")
             if need > ctx:
                 raise UsageError(f"prompt ({n_tokens} tokens) plus --n-predict {n_predict} does not "
                                  f"fit in --ctx {ctx}")
@@ -125,15 +146,15 @@ class Engine:
                              max_band=max_band, eval_callback=eval_callback)
 
     def plan(self, n_tokens: int, start: int = 0, cap: int | None = None,
-             bands_on: bool | None = None) -> list[B.Band]:
+             bands_on: bool | None = None) -> list[bands.Band]:
         s = self.settings
         on = s.bands if bands_on is None else bands_on
         if on and cap is None and s.fixed:  # a record proved bands of this width across boundaries
-            return B.fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
-        return B.plan(n_tokens, start, self.info.compress_ratios, cap if cap is not None else s.cap,
-                      on, s.mmvq_max_ncols)
+            return bands.fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
+        return bands.plan(n_tokens, start, self.info.compress_ratios, cap if cap is not None else s.cap,
+                          on, s.mmvq_max_ncols)
 
-    def request_bands(self, n_tokens: int, resume_at: int = 0, **kw) -> list[B.Band]:
+    def request_bands(self, n_tokens: int, resume_at: int = 0, **kw) -> list[bands.Band]:
         """Bands for a prompt, optionally as a first part [0, resume_at) and a resumed second part
         planned from the unaligned start."""
         if not 0 <= resume_at < n_tokens:
@@ -167,12 +188,13 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     gpu_ids = devices.parse_device(device)
     if gpu_ids:
         devices.require_hip(gpu_ids)  # exit 3 with the reason, before any build or load
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads {threads} must be >= 1")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise UsageError(f"--threads {threads} is outside 1..{MAX_THREADS} (ggml's thread limit)")
     lib_dir = load_library(settings, log)
     if path is None:  # a K-quant built-in model: made by the library just loaded
         path = resolve_model(None, weights)
         info = gguf_meta.read(path)
     placement = gpu_placement(gpu_ids)
     model = llama.Model(path, **placement)
+    assert info is not None  # read above, before or after the library's quantizer made the file
     return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device)

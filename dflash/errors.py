@@ -1,10 +1,17 @@
 """Domain errors. The CLI turns them into one-line messages and exit codes at its edge."""
+from __future__ import annotations
 
 
 class DflashError(Exception):
-    """A runtime failure the user can act on (exit code 1)."""
+    """A runtime failure the user can act on (exit code 1; a subclass or `exit_code=` may say
+    otherwise, e.g. a model path that names no file is bad input: 2)."""
 
     exit_code = 1
+
+    def __init__(self, *args: object, exit_code: int | None = None):
+        super().__init__(*args)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 class UsageError(DflashError):

@@ -24,11 +24,13 @@ import posixpath
 import re
 import secrets
 import shutil
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import DflashError
+from . import supervisor
+from .errors import DflashError, UsageError
 
 SCHEMA = "dflash.evidence"
 SCHEMA_VERSION = 1
@@ -39,6 +41,10 @@ _KEYS = {"schema", "schema_version", "kind", "created_utc", "files", "hash_check
 _CHECK_KEYS = {"file", "pointer", "field", "expect"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_JSON_BYTES = 8 << 20  # the most verify reads of manifest.json or of a file it runs hash checks on
+# no symlink is followed, and a FIFO or device swapped in after the lstat check cannot block the open
+_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_TMP = re.compile(r"\.tmp-.+-([0-9]{1,10})-[0-9a-f]{8}")  # EvidenceWriter's temp dirs: .tmp-<name>-<pid>-<hex>
 
 
 class EvidenceError(DflashError, ValueError):
@@ -120,10 +126,10 @@ def _parse_manifest(raw: bytes) -> dict:
     _need(_is_kind(m["kind"]), f"kind {m['kind']!r} is not a plain name")
     _need(_is_time(m["created_utc"]), f"created_utc {m['created_utc']!r} is not {TIME_FORMAT}")
     _need(isinstance(m["files"], dict), "files is not an object")
-    for rel, e in m["files"].items():
+    for rel, entry in m["files"].items():
         _need(_rel_problem(rel) is None, f"files: path {rel!r} {_rel_problem(rel)}")
-        _need(isinstance(e, dict) and set(e) == {"sha256", "bytes"} and isinstance(e["sha256"], str)
-              and _HEX64.fullmatch(e["sha256"]) is not None and type(e["bytes"]) is int and e["bytes"] >= 0,
+        _need(isinstance(entry, dict) and set(entry) == {"sha256", "bytes"} and isinstance(entry["sha256"], str)
+              and _HEX64.fullmatch(entry["sha256"]) is not None and type(entry["bytes"]) is int and entry["bytes"] >= 0,
               f"files[{rel!r}] is not {{\"sha256\": <64 lowercase hex>, \"bytes\": <int >= 0>}}")
     _need(isinstance(m["hash_checks"], list), "hash_checks is not a list")
     for i, c in enumerate(m["hash_checks"]):
@@ -138,17 +144,88 @@ def _parse_manifest(raw: bytes) -> dict:
     return m
 
 
+def _what(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open_at(dir_fd: int, name: str, directory: bool = False) -> int:
+    """Open `name` in the directory dir_fd only if it is a real regular file (or directory), not a
+    symlink, FIFO, device or socket; the check is lstat before the open and the same inode after."""
+    want, noun = (stat.S_ISDIR, "directory") if directory else (stat.S_ISREG, "regular file")
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not want(st.st_mode):
+            raise EvidenceError(f"not a {noun} ({_what(st.st_mode)})")
+        fd = os.open(name, _OPEN | (os.O_DIRECTORY if directory else 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise EvidenceError("not found") from None
+    except OSError as e:
+        raise EvidenceError(f"cannot open ({e.strerror})") from None
+    after = os.fstat(fd)
+    if (after.st_dev, after.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise EvidenceError("replaced while being verified")
+    return fd
+
+
+def _open_file(dir_fd: int, rel: str) -> int:
+    """_open_at for a checked relative path (at most one subfolder, itself a real directory)."""
+    if "/" not in rel:
+        return _open_at(dir_fd, rel)
+    sub, name = rel.split("/")
+    try:
+        sub_fd = _open_at(dir_fd, sub, directory=True)
+    except EvidenceError as e:
+        raise EvidenceError(f"folder {sub}: {e}") from None
+    try:
+        return _open_at(sub_fd, name)
+    finally:
+        os.close(sub_fd)
+
+
+def _read_json_bytes(dir_fd: int, rel: str) -> bytes:
+    """The bytes of a JSON file verify reads, at most MAX_JSON_BYTES; EvidenceError otherwise."""
+    with open(_open_file(dir_fd, rel), "rb") as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise EvidenceError(f"larger than {MAX_JSON_BYTES >> 20} MiB")
+    return raw
+
+
+def _open_dir(directory: Path) -> int:
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise EvidenceError(f"{directory}: cannot open ({e.strerror})") from None
+
+
+def resolve_dir(directory: str | os.PathLike) -> Path:
+    """An evidence directory argument with its symlinks resolved; UsageError if it is missing or
+    not a directory."""
+    try:
+        d = Path(directory).resolve(strict=True)
+    except FileNotFoundError:
+        raise UsageError(f"{directory}: not found") from None
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop before Python 3.13
+        raise UsageError(f"{directory}: cannot resolve ({getattr(e, 'strerror', None) or e})") from None
+    if not d.is_dir():
+        raise UsageError(f"{directory}: not a directory")
+    return d
+
+
 def read_manifest(directory: str | os.PathLike) -> dict:
     """The manifest of an evidence directory, checked; EvidenceError names the path otherwise."""
     path = Path(directory) / MANIFEST
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise EvidenceError(f"{path}: not found") from None
-    except OSError as e:
-        raise EvidenceError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        return _parse_manifest(raw)
+        dir_fd = _open_dir(Path(directory))
+        try:
+            return _parse_manifest(_read_json_bytes(dir_fd, MANIFEST))
+        finally:
+            os.close(dir_fd)
     except EvidenceError as e:
         raise EvidenceError(f"{path}: {e}") from None
 
@@ -168,11 +245,40 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # EPERM: alive, another user's; anything else: do not guess
+        return True
+    return True
+
+
+def clean_stale_temp(parent: str | os.PathLike) -> list[Path]:
+    """Remove EvidenceWriter temp dirs in `parent` whose owner process is gone (killed before it
+    could clean up); returns those removed. A live owner's dir, or a name that does not parse, stays."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(Path(parent)))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP.fullmatch(entry.name)
+        if m and entry.is_dir(follow_symlinks=False) and int(m[1]) > 0 and not _pid_alive(int(m[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if not os.path.lexists(entry.path):
+                removed.append(Path(entry.path))
+    return removed
+
+
 class EvidenceWriter:
     """Write files into a hidden sibling temp dir; commit() seals them and renames it into place.
 
-    Leaving the `with` block without commit() (an exception, Ctrl-C) removes the temp dir, so
-    an evidence directory either exists complete or not at all.
+    Leaving the `with` block without commit() (any exception, Ctrl-C, SystemExit) removes the
+    temp dir, so an evidence directory either exists complete or not at all. A process killed
+    outright leaves its temp dir behind; the next writer in the same folder removes it (its name
+    holds the owner's pid: .tmp-<name>-<pid>-<hex>).
     """
 
     def __init__(self, final_dir: str | os.PathLike, kind: str):
@@ -182,17 +288,20 @@ class EvidenceWriter:
         self.kind = kind
         if os.path.lexists(self.final_dir):
             raise EvidenceError(f"evidence directory already exists: {self.final_dir}")
-        self.tmp_dir = self.final_dir.parent / f".tmp-{self.final_dir.name}-{secrets.token_hex(4)}"
+        # the owner's pid in the name lets a later writer remove it if this process is killed
+        self.tmp_dir = self.final_dir.parent / f".tmp-{self.final_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+            clean_stale_temp(self.final_dir.parent)
             self.tmp_dir.mkdir()
+            supervisor.owns_scratch(self.tmp_dir)  # removed by the supervisor if this worker crashes
         except OSError as e:
             raise EvidenceError(f"cannot create evidence directory {self.final_dir}: {e.strerror}") from None
         self._files: dict[str, dict] = {}
         self._checks: list[dict] = []
         self._state = "open"  # -> "committed" | "aborted"
 
-    def __enter__(self) -> "EvidenceWriter":
+    def __enter__(self) -> EvidenceWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -261,6 +370,7 @@ class EvidenceWriter:
         if os.path.lexists(self.final_dir):  # os.rename would replace an empty directory
             raise EvidenceError(f"evidence directory appeared while writing: {self.final_dir}")
         os.rename(self.tmp_dir, self.final_dir)
+        supervisor.owns_scratch(None)
         self._state = "committed"
         _fsync(self.final_dir.parent)
         return self.final_dir, hashlib.sha256(raw).hexdigest()
@@ -270,24 +380,39 @@ class EvidenceWriter:
         if self._state == "open":
             self._state = "aborted"
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            supervisor.owns_scratch(None)
 
 
 @dataclass
 class VerifyReport:
+    """Every check verify ran, in order, each with its problems (none: it passed)."""
     directory: Path
     manifest_sha256: str | None = None
     n_files: int = 0
     n_hash_checks: int = 0
-    checks: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    results: list[tuple[str, list[str]]] = field(default_factory=list)
+
+    def record(self, check: str, problems: list[str] | tuple = ()) -> None:
+        self.results.append((check, list(problems)))
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for _, problems in self.results for p in problems]
+
+    @property
+    def checks(self) -> list[str]:
+        """The checks that passed."""
+        return [check for check, problems in self.results if not problems]
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return bool(self.results) and not self.problems
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "problems": list(self.problems), "manifest_sha256": self.manifest_sha256,
-                "n_files": self.n_files, "n_hash_checks": self.n_hash_checks, "checks": list(self.checks)}
+        return {"ok": self.ok, "problems": self.problems, "manifest_sha256": self.manifest_sha256,
+                "n_files": self.n_files, "n_hash_checks": self.n_hash_checks,
+                "checks": [{"check": check, "ok": not problems, "problems": problems}
+                           for check, problems in self.results]}
 
 
 def _follow(doc, pointer: str):
@@ -302,12 +427,12 @@ def _follow(doc, pointer: str):
     return node
 
 
-def _hash_check(directory: Path, c: dict) -> str | None:
+def _hash_check(dir_fd: int, c: dict) -> str | None:
     """One problem line, or None when every item carries the same non-empty value."""
     where = f"{c['file']}: {c['pointer'] or '<root>'}"
     try:
-        doc = _load_json((directory / c["file"]).read_bytes())
-    except (OSError, ValueError) as e:
+        doc = _load_json(_read_json_bytes(dir_fd, c["file"]))
+    except ValueError as e:  # EvidenceError is a ValueError too
         return f"{c['file']}: cannot load for its hash check ({e})"
     try:
         items = _follow(doc, c["pointer"])
@@ -328,70 +453,97 @@ def _hash_check(directory: Path, c: dict) -> str | None:
     return None
 
 
-def _file_problem(d: Path, rel: str, entry: dict) -> str | None:
-    p = d / rel
-    if not os.path.lexists(p):
-        return f"{rel}: listed in the manifest but missing"
-    if p.is_symlink() or p.parent.is_symlink() or not p.is_file():
-        return f"{rel}: not a regular file"
+def _file_problem(dir_fd: int, rel: str, entry: dict) -> str | None:
+    """Size first (from fstat), then the SHA-256 of at most entry['bytes'] + 1 bytes, in chunks."""
     try:
-        size, sha = p.stat().st_size, sha256_file(p)
-    except OSError as e:
-        return f"{rel}: cannot read ({e.strerror})"
-    if size != entry["bytes"]:
-        return f"{rel}: {size} bytes, the manifest says {entry['bytes']}"
-    return f"{rel}: SHA-256 differs from the manifest" if sha != entry["sha256"] else None
+        fd = _open_file(dir_fd, rel)
+    except EvidenceError as e:
+        return f"{rel}: {e}"
+    h, n = hashlib.sha256(), 0
+    with open(fd, "rb", buffering=0) as f:
+        size = os.fstat(fd).st_size
+        if size != entry["bytes"]:
+            return f"{rel}: {size} bytes, the manifest says {entry['bytes']}"
+        try:
+            while n <= size and (block := f.read(min(1 << 20, size + 1 - n))):
+                h.update(block)
+                n += len(block)
+        except OSError as e:
+            return f"{rel}: cannot read ({e.strerror})"
+    if n != size:
+        return f"{rel}: changed size while being verified"
+    return f"{rel}: SHA-256 differs from the manifest" if h.hexdigest() != entry["sha256"] else None
 
 
-def _unlisted(d: Path, files: dict) -> list[str]:
-    """Every file or folder in d that the manifest does not account for."""
+def _unlisted(dir_fd: int, files: dict) -> list[str]:
+    """Every file or folder that the manifest does not account for (listed folders are searched)."""
     subdirs = {rel.split("/")[0] for rel in files if "/" in rel}
     problems = []
-    for root, dirs, names in os.walk(d):
-        prefix = "" if Path(root) == d else Path(root).relative_to(d).as_posix() + "/"
-        for rel in sorted(prefix + n for n in dirs + names):
-            if rel != MANIFEST and rel not in files and rel not in subdirs:
+
+    def scan(fd: int, prefix: str) -> None:
+        for name in sorted(os.listdir(fd)):
+            rel = prefix + name
+            if rel in subdirs:
+                try:
+                    sub_fd = _open_at(fd, name, directory=True)
+                except EvidenceError:
+                    continue  # a listed folder that is not a real directory: its files' checks say so
+                try:
+                    scan(sub_fd, rel + "/")
+                finally:
+                    os.close(sub_fd)
+            elif rel != MANIFEST and rel not in files:
                 problems.append(f"{rel if rel.isprintable() else repr(rel)}: not listed in the manifest")
-        dirs[:] = sorted(x for x in dirs if prefix + x in subdirs)
+
+    try:
+        scan(dir_fd, "")
+    except OSError as e:
+        problems.append(f"cannot list the directory ({e.strerror})")
     return problems
 
 
 def verify(directory: str | os.PathLike, expected_manifest_sha256: str | None = None) -> VerifyReport:
-    """Check an evidence directory byte for byte; report.problems[0] is the first thing wrong."""
-    d = Path(directory)
-    r = VerifyReport(directory=d)
-    if not d.is_dir():
-        r.problems.append(f"{d}: {'not a directory' if d.exists() else 'not found'}")
+    """Check an evidence directory byte for byte; report.problems[0] is the first thing wrong.
+
+    Only real regular files inside the directory are read (symlinks, FIFOs, devices and sockets
+    are problems), JSON at most MAX_JSON_BYTES, data files in chunks: a hostile directory fails
+    quickly instead of hanging or filling memory."""
+    r = VerifyReport(directory=Path(directory))
+    try:
+        r.directory = resolve_dir(directory)
+        dir_fd = _open_dir(r.directory)
+    except DflashError as e:
+        r.record("the evidence directory can be opened", [str(e)])
         return r
     try:
-        raw = (d / MANIFEST).read_bytes()
-    except OSError as e:
-        r.problems.append(f"{MANIFEST}: {'not found' if isinstance(e, FileNotFoundError) else e.strerror}")
-        return r
-    r.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        _verify(dir_fd, r, expected_manifest_sha256)
+    finally:
+        os.close(dir_fd)
+    return r
+
+
+def _verify(dir_fd: int, r: VerifyReport, expected: str | None) -> None:
+    check = f"{MANIFEST}: schema {SCHEMA} v{SCHEMA_VERSION}, self_sha256 matches"
     try:
+        raw = _read_json_bytes(dir_fd, MANIFEST)
+        r.manifest_sha256 = hashlib.sha256(raw).hexdigest()
         m = _parse_manifest(raw)
     except EvidenceError as e:
-        r.problems.append(f"{MANIFEST}: {e}")
-        return r
-    r.checks.append(f"{MANIFEST}: schema {SCHEMA} v{SCHEMA_VERSION}, kind {m['kind']}, self_sha256 matches")
-    if expected_manifest_sha256 is not None:
-        if r.manifest_sha256 != expected_manifest_sha256.strip().lower():
-            r.problems.append(f"{MANIFEST}: SHA-256 {r.manifest_sha256} is not the expected {expected_manifest_sha256}")
-        else:
-            r.checks.append(f"{MANIFEST}: SHA-256 is the expected one")
+        r.record(check, [f"{MANIFEST}: {e}"])
+        return
+    r.record(f"{check}, kind {m['kind']}")
+    if expected is not None:
+        ok = r.manifest_sha256 == expected.strip().lower()
+        r.record(f"{MANIFEST}: SHA-256 is the expected one",
+                 [] if ok else [f"{MANIFEST}: SHA-256 {r.manifest_sha256} is not the expected {expected}"])
     r.n_files, r.n_hash_checks = len(m["files"]), len(m["hash_checks"])
-    r.problems += [p for rel, entry in m["files"].items() if (p := _file_problem(d, rel, entry))]
-    r.checks.append(f"{r.n_files} files: size and SHA-256")
-    r.problems += _unlisted(d, m["files"])
-    r.checks.append("no unlisted files")
+    r.record(f"{r.n_files} files: size and SHA-256",
+             [p for rel, entry in m["files"].items() if (p := _file_problem(dir_fd, rel, entry))])
+    r.record("no unlisted files", _unlisted(dir_fd, m["files"]))
     for c in m["hash_checks"]:
-        problem = _hash_check(d, c)
-        if problem:
-            r.problems.append(problem)
-        else:
-            r.checks.append(f"{c['file']}: every {c['pointer'] or '<root>'} item has the same {c['field']}")
-    return r
+        problem = _hash_check(dir_fd, c)
+        r.record(f"{c['file']}: every {c['pointer'] or '<root>'} item has the same {c['field']}",
+                 [problem] if problem else [])
 
 
 def default_dir(root: str | os.PathLike, kind: str) -> Path:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import REPO_ROOT
 from .devices import Device
 from .errors import DflashError
+from .paths import REPO_ROOT
 
 TYPES = {"q8_0": (34, 32), "q4_0": (18, 32), "q4_k": (144, 256), "mxfp4": (17, 32)}  # bytes, values per block
 NCOLS = (1, 2, 3, 4)
@@ -39,7 +39,7 @@ def random_weights(tname: str, rows: int, cols: int, rng: np.random.Generator) -
     nbytes, nvals = TYPES[tname]
     nblk = rows * cols // nvals
     raw = rng.integers(0, 256, size=(nblk, nbytes), dtype=np.uint8)
-    half = lambda n: (rng.uniform(0.001, 0.05, size=n).astype(np.float16)).view(np.uint8).reshape(n, 2)
+    half = lambda n: np.asarray(rng.uniform(0.001, 0.05, size=n), dtype=np.float16).view(np.uint8).reshape(n, 2)
     if tname in ("q8_0", "q4_0"):
         raw[:, 0:2] = half(nblk)
     elif tname == "q4_k":
@@ -67,8 +67,8 @@ def host_binary(build_dir: Path = DEFAULT_BUILD) -> Path:
 def host_expected(case: Case, build_dir: Path = DEFAULT_BUILD) -> tuple[np.ndarray, bytes]:
     """(y of shape (ncols, rows), the q8_1 activations the host produced) from the host body."""
     ncols = case.x.shape[0]
-    with tempfile.TemporaryDirectory() as d:
-        d = Path(d)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
         (d / "w.bin").write_bytes(case.w)
         case.x.astype("<f4").tofile(d / "x.f32")
         cmd = [str(host_binary(build_dir)), "--type", case.type, "--ncols", str(ncols), "--rows",
@@ -94,6 +94,7 @@ class _Gpu:
 
     def __init__(self, index: int, co: Path):
         from hip import hip
+
         from .devices import _check
         self.hip, self.check = hip, _check
         _check(hip.hipSetDevice(index))
@@ -108,7 +109,7 @@ class _Gpu:
     def launch(self, name: str, grid, block, args: tuple) -> None:
         f = self.check(self.hip.hipModuleGetFunction(self.module, name.encode()))
         self.check(self.hip.hipModuleLaunchKernel(f, *grid, *block, sharedMemBytes=0, stream=None,
-                                                  kernelParams=None, extra=args))
+                                                  kernelParams=None, extra=args))  # type: ignore[misc]
         self.check(self.hip.hipDeviceSynchronize())
 
     def read(self, ptr, nbytes: int) -> bytes:

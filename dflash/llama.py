@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DflashError, LlamaError, ModelError
+from .supervisor import stage
 
 _L = None            # the llama_cpp module once loaded
 _LIB_DIR: Path | None = None
@@ -35,6 +36,7 @@ def load_library(lib_dir: str | os.PathLike, verbose: bool = False):
     if "llama_cpp" in sys.modules:
         raise DflashError("llama_cpp was imported before dflash chose its library")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    stage(f"library load ({lib_dir})")
     try:
         _preload_ggml(lib_dir)
         import llama_cpp as L
@@ -90,6 +92,12 @@ def _lib():
 
 
 def _last_log() -> str:
+    """What llama.cpp said about the failure since the last _LOG.clear(): the line that names the
+    cause ("error loading model: unknown model architecture: ...") rather than the generic last
+    one ("failed to load model")."""
+    for msg in _LOG:
+        if "error" in msg.lower() and not msg.rstrip().endswith("failed to load model"):
+            return msg
     return _LOG[-1] if _LOG else "no message from llama.cpp"
 
 
@@ -101,6 +109,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int) -> None
     params.nthread = 1
     params.ftype = ftype
     _LOG.clear()
+    stage(f"quantization of {src}")
     rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise LlamaError(f"llama.cpp could not quantize {src} to ftype {ftype}: {_last_log()}")
@@ -125,6 +134,7 @@ class Model:
         elif n_gpu_layers:
             mp.split_mode = L.LLAMA_SPLIT_MODE_NONE  # everything on main_gpu
         _LOG.clear()
+        stage(f"model load ({path})")
         self.ptr = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.ptr:
             raise LlamaError(f"llama.cpp could not load {path}: {_last_log()}")
@@ -171,6 +181,12 @@ class Model:
             _lib().llama_model_free(self.ptr)
             self.ptr = None
 
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class Context:
     """One sequence's context. `decode` runs one llama_decode over one band."""
@@ -194,6 +210,7 @@ class Context:
             cp.cb_eval = eval_callback
             cp.cb_eval_user_data = None
         _LOG.clear()
+        stage(f"context creation ({n_ctx} tokens)")
         self.ptr = L.llama_init_from_model(model.ptr, cp)
         if not self.ptr:
             raise LlamaError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_log()}")
@@ -242,6 +259,12 @@ class Context:
             L.llama_free(self.ptr)
             self.ptr = None
 
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 # ---------------------------------------------------------------------------------------------
 # Graph tap: observe node outputs through llama.cpp's cb_eval (ggml_backend_sched_eval_callback)
@@ -269,6 +292,8 @@ class _GgmlTensor(ctypes.Structure):
 
 
 def _ggml_base():
+    if _LIB_DIR is None:
+        raise DflashError("llama.cpp library not loaded (call load_library first)")
     lib = ctypes.CDLL(str(_LIB_DIR / "libggml-base.so"))
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
@@ -290,9 +315,18 @@ class GraphTap:
         self._want = want
         self._base = _ggml_base()
         self._nodes: list[tuple[str, str, tuple[int, ...], np.ndarray]] = []
+        self._error: BaseException | None = None
 
         @L.ggml_backend_sched_eval_callback
         def cb(t_ptr, ask, user):
+            try:
+                return observe(t_ptr, ask)
+            except BaseException as e:  # ctypes would print and drop it; take() raises it instead
+                if self._error is None:
+                    self._error = e
+                return not ask  # asked: decline the node; observing: let the graph run on
+
+        def observe(t_ptr, ask):
             t = ctypes.cast(t_ptr, ctypes.POINTER(_GgmlTensor)).contents
             dtype = _NP_TYPES.get(t.type)
             name = t.name.decode(errors="replace")
@@ -314,5 +348,9 @@ class GraphTap:
         self.callback = cb
 
     def take(self) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+        """The nodes seen since the last take(); an error raised while copying one is raised here."""
         nodes, self._nodes = self._nodes, []
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         return nodes

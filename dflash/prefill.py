@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .bands import Band
+from .results import Library, PrefillResult, Q1Comparison, Q1Run
+from .supervisor import stage
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 Progress = Callable[[int, int], None]
 
@@ -39,11 +45,17 @@ class Request:
     #                           request with n_predict=0), so the context is not cleared
 
     def __post_init__(self):
-        covered = sum(b.width for b in self.bands)
-        if covered != len(self.tokens) - self.start:
-            raise ValueError(f"bands cover {covered} tokens, the request has {len(self.tokens) - self.start}")
-        if self.bands and self.bands[0].start != self.start:
-            raise ValueError(f"the bands start at {self.bands[0].start}, the request at {self.start}")
+        if self.logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {self.logits!r}")
+        pos = self.start
+        for b in self.bands:  # the bands tile [start, n) in order: no gap, no overlap
+            if b.start != pos or b.width < 1:
+                raise ValueError(f"band ({b.start}, width {b.width}) does not start where the previous "
+                                 f"one ends ({pos})")
+            pos = b.end
+        if pos != len(self.tokens):
+            raise ValueError(f"bands cover positions {self.start}..{pos - 1}, the request has "
+                             f"{self.start}..{len(self.tokens) - 1}")
 
 
 @dataclass
@@ -65,12 +77,23 @@ class Result:
         return self.n_prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
 
-def run(ctx, req: Request, progress: Progress = _noop,
-        on_band: Callable[[Band], None] | None = None) -> Result:
-    """One request: clear (unless resuming), prefill band by band, greedy-decode n_predict tokens.
+@dataclass
+class Prefilled:
+    """The prompt part of a request: the logits hash, the last position's logits (None with no
+    prompt tokens) and, with keep_logits, every row by position."""
+    logits_sha256: str
+    last: np.ndarray | None
+    seconds: float
+    kept: np.ndarray | None = field(default=None, repr=False)
 
-    Logits are hashed (and kept) for positions req.start..n-1; `kept` rows are indexed by
-    position. `on_band(band)` runs after each band's llama_decode (e.g. to collect a graph tap)."""
+
+def prefill(ctx, req: Request, progress: Progress = _noop,
+            on_band: Callable[[Band], None] | None = None) -> Prefilled:
+    """Clear the context (unless resuming) and run one llama_decode per band.
+
+    Logits are hashed (and kept) for positions req.start..n-1; kept rows are indexed by position.
+    `on_band(band)` runs after each band's llama_decode (e.g. to collect a graph tap). The timing
+    window is this band loop: every decode plus copying and hashing its logits."""
     if req.start == 0:
         ctx.clear()
     n = len(req.tokens)
@@ -79,37 +102,99 @@ def run(ctx, req: Request, progress: Progress = _noop,
     last = None
     t0 = time.perf_counter()
     for b in req.bands:
+        stage(f"band at position {b.start} (width {b.width})")
         out = ctx.decode(req.tokens[b.start:b.end], b.start, logits=req.logits
                          if req.logits == "all" or b.end == n else "none")
         if out is not None:
             if req.logits == "all":
-                h.update(np.ascontiguousarray(out, dtype="<f4"))  # no copy on little-endian hosts
+                h.update(np.ascontiguousarray(out, dtype="<f4").data)  # no copy on little-endian hosts
                 if kept is not None:
                     kept[b.start:b.end] = out
             last = out[-1]
         if on_band is not None:
             on_band(b)
         progress(b.end, n)
-    prefill_s = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
     if req.logits == "last" and last is not None:
-        h.update(np.ascontiguousarray(last, dtype="<f4"))
+        h.update(np.ascontiguousarray(last, dtype="<f4").data)
+    return Prefilled(h.hexdigest(), last, seconds, kept)
 
+
+def decode(ctx, last: np.ndarray | None, pos: int, n_predict: int) -> tuple[list[int], float]:
+    """Greedy response after a prefill whose last logits are `last`, from position `pos`: up to
+    n_predict tokens, stopping at end-of-generation or the end of the context. Returns the tokens
+    and the seconds spent."""
     response: list[int] = []
-    t1 = time.perf_counter()
-    pos = n
-    while len(response) < req.n_predict and last is not None:
+    t0 = time.perf_counter()
+    while len(response) < n_predict and last is not None:
         tok = int(np.argmax(last))
         if ctx.model.is_eog(tok):
             break
         response.append(tok)
-        if len(response) == req.n_predict or pos >= ctx.n_ctx:
+        if len(response) == n_predict or pos >= ctx.n_ctx:
             break
+        stage(f"decode of response token {len(response)} at position {pos}")
         last = ctx.decode([tok], pos, logits="last")[0]
         pos += 1
-    decode_s = time.perf_counter() - t1
+    return response, time.perf_counter() - t0
+
+
+def run(ctx, req: Request, progress: Progress = _noop,
+        on_band: Callable[[Band], None] | None = None) -> Result:
+    """One request: prefill band by band, then greedy-decode n_predict tokens."""
+    p = prefill(ctx, req, progress, on_band)
+    response, decode_s = decode(ctx, p.last, len(req.tokens), req.n_predict)
     text = ctx.model.detokenize(response)
     return Result(
-        widths=[b.width for b in req.bands], n_prompt_tokens=n - req.start, prefill_seconds=prefill_s,
-        decode_seconds=decode_s, logits_sha256=h.hexdigest(), prompt_sha256=sha256_tokens(req.tokens),
-        response_tokens=response, response_text=text, response_tokens_sha256=sha256_tokens(response),
-        response_sha256=hashlib.sha256(text).hexdigest(), logits=kept)
+        widths=[b.width for b in req.bands], n_prompt_tokens=len(req.tokens) - req.start,
+        prefill_seconds=p.seconds, decode_seconds=decode_s, logits_sha256=p.logits_sha256,
+        prompt_sha256=sha256_tokens(req.tokens), response_tokens=response, response_text=text,
+        response_tokens_sha256=sha256_tokens(response), response_sha256=hashlib.sha256(text).hexdigest(),
+        logits=p.kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# One request on an engine: what `dflash prefill` runs
+
+def compare_q1(banded: Result, q1: Result) -> Q1Comparison:
+    """The band run against the q1 run of the same request: identical when both the logits and the
+    response hashes are equal."""
+    return Q1Comparison(
+        Q1Run(q1.logits_sha256, q1.response_sha256, q1.prefill_seconds, q1.prefill_tokens_per_second),
+        identical=(q1.logits_sha256, q1.response_sha256) == (banded.logits_sha256, banded.response_sha256),
+        speedup=q1.prefill_seconds / banded.prefill_seconds if banded.prefill_seconds else None)
+
+
+def run_request(eng: Engine, tokens: list[int], *, n_predict: int = 16, resume_at: int = 0,
+                logits: str = "all", ctx: int | None = None, compare: bool = False,
+                progress: Progress = _noop) -> PrefillResult:
+    """Prefill `tokens` with the engine's band schedule (planned as two parts when resume_at > 0)
+    and decode n_predict tokens; with `compare`, run the q1 schedule of the same request on the
+    same context afterwards and compare the two (PrefillResult.comparison)."""
+    n_ctx = eng.context_size(len(tokens), n_predict, ctx)
+    bands = eng.request_bands(len(tokens), resume_at)
+    c = eng.context(n_ctx, max(b.width for b in bands))
+    try:
+        r = run(c, Request(tokens, bands, n_predict, logits), progress)
+        q1 = None
+        if compare:
+            q1 = run(c, Request(tokens, eng.request_bands(len(tokens), resume_at, bands_on=False), n_predict, logits))
+    finally:
+        c.close()
+    return describe(eng, r, n_ctx, compare_q1(r, q1) if q1 is not None else None)
+
+
+def describe(eng: Engine, r: Result, n_ctx: int, comparison: Q1Comparison | None = None) -> PrefillResult:
+    """A request's result with the engine's model, library and settings."""
+    s = eng.settings
+    return PrefillResult(
+        model=str(eng.info.path), architecture=eng.info.architecture, library=Library(s.lib, str(eng.lib_dir)),
+        bands_on=s.bands, chunk=s.chunk, chunk_requested=s.chunk_requested,
+        band_mode="fixed" if s.fixed else "planner", mmvq_max_ncols=s.mmvq_max_ncols, qualification=s.qualified,
+        threads=eng.threads, n_ctx=n_ctx, device=eng.device, widths=tuple(r.widths),
+        n_prompt_tokens=r.n_prompt_tokens, prefill_seconds=r.prefill_seconds,
+        prefill_tokens_per_second=r.prefill_tokens_per_second, decode_seconds=r.decode_seconds,
+        prompt_sha256=r.prompt_sha256, logits_sha256=r.logits_sha256, response_tokens=tuple(r.response_tokens),
+        response_tokens_sha256=r.response_tokens_sha256,
+        response_text=r.response_text.decode("utf-8", errors="replace"), response_sha256=r.response_sha256,
+        warnings=tuple(s.warnings()), comparison=comparison)

@@ -32,15 +32,15 @@ import json
 import os
 import re
 import shlex
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
 
-from . import build, devices, gguf_meta, tiny_model
-from . import settings as S
+from . import build, devices, gguf_meta, paths, tiny_model
 from .errors import DflashError, UsageError
 from .evidence import sha256_file
+from .settings import AUTO, ENV_LIB_DIR, FIXED, LIBS, MAX_BAND, MAX_CHUNK, PLANNER, Chunk, Qualified, Settings
 
 SCHEMA = "dflash.qualification"
 SCHEMA_VERSION = 1
@@ -102,14 +102,14 @@ def now_utc() -> str:
 # What a record proves (pure)
 
 def proven_mode(verdicts: Iterable[Verdict], width: int) -> str | None:
-    """S.FIXED or S.PLANNER when the record proves `width` in that mode (see the module doc)."""
+    """FIXED or PLANNER when the record proves `width` in that mode (see the module doc)."""
     vs = list(verdicts)
     at = [v for v in vs if v.width == width]
     narrower = [v for v in vs if v.width < width]
     if at and at[0].fixed_exact and all(v.fixed_exact for v in narrower):
-        return S.FIXED
+        return FIXED
     if at and at[0].planner_exact and all(v.planner_exact for v in narrower):
-        return S.PLANNER
+        return PLANNER
     return None
 
 
@@ -120,7 +120,7 @@ def widest_proven(verdicts: Iterable[Verdict]) -> tuple[int, str]:
         mode = proven_mode(vs, v.width)
         if mode:
             return v.width, mode
-    return 1, S.PLANNER
+    return 1, PLANNER
 
 
 def merge(old: Record | None, new: Record) -> Record:
@@ -167,7 +167,7 @@ def _verdict(i: int, d) -> Verdict:
     _need(isinstance(d, dict) and set(d) == _WIDTH_KEYS,
           f"widths[{i}] must have exactly the keys {sorted(_WIDTH_KEYS)}")
     w = d["width"]
-    _need(_is_int(w, 1, S.MAX_CHUNK), f"widths[{i}].width {w!r} is not in 1..{S.MAX_CHUNK}")
+    _need(_is_int(w, 1, MAX_CHUNK), f"widths[{i}].width {w!r} is not in 1..{MAX_CHUNK}")
     for mode in ("planner", "fixed"):
         _need(type(d[f"{mode}_exact"]) is bool, f"widths[{i}].{mode}_exact is not true or false")
         _need(_is_int(d[f"{mode}_widest_band"], 1, w), f"widths[{i}].{mode}_widest_band is not in 1..{w}")
@@ -190,7 +190,7 @@ def parse(raw: bytes) -> Record:
     _need(type(v) is int and v == SCHEMA_VERSION, f"schema_version is {v!r}, this dflash reads {SCHEMA_VERSION}")
     _need(set(d) == _KEYS, f"keys missing {sorted(_KEYS - set(d))} or unknown {sorted(set(d) - _KEYS)}")
     lib, model = d["library"], d["model"]
-    _need(isinstance(lib, dict) and set(lib) == {"flavor", "source", "key"} and lib["flavor"] in S.LIBS
+    _need(isinstance(lib, dict) and set(lib) == {"flavor", "source", "key"} and lib["flavor"] in LIBS
           and lib["source"] in SOURCES and isinstance(lib["key"], str) and _HEX.fullmatch(lib["key"]) is not None,
           "library is not {\"flavor\": exact|stock, \"source\": build|dir, \"key\": <hex>}")
     _need(isinstance(model, dict) and set(model) == {"sha256", "path"} and isinstance(model["sha256"], str)
@@ -199,7 +199,7 @@ def parse(raw: bytes) -> Record:
     _need(isinstance(d["device"], str) and _DEVICE.fullmatch(d["device"]) is not None,
           f"device {d['device']!r} is not cpu, hip:N or hip:N,hip:M")
     _need(_is_time(d["updated_utc"]), f"updated_utc {d['updated_utc']!r} is not {TIME_FORMAT}")
-    _need(isinstance(d["widths"], list) and d["widths"], "widths is not a non-empty list")
+    _need(isinstance(d["widths"], list) and len(d["widths"]) > 0, "widths is not a non-empty list")
     widths = tuple(_verdict(i, x) for i, x in enumerate(d["widths"]))
     _need([v.width for v in widths] == sorted({v.width for v in widths}), "widths are not sorted and unique")
     ident = Identity(lib["flavor"], lib["source"], lib["key"], model["sha256"], d["device"])
@@ -235,7 +235,7 @@ def write(path: str | os.PathLike, record: Record) -> Path:
 
 
 def record_path(identity: Identity) -> Path:
-    return build.cache_root() / "qualifications" / f"{identity.key}.json"
+    return paths.cache_root() / "qualifications" / f"{identity.key}.json"
 
 
 def load(identity: Identity, warn: Warn) -> Record | None:
@@ -273,7 +273,7 @@ def library_files(d: Path) -> list[Path]:
 def dir_key(d: Path) -> str:
     """SHA-256 over the names and bytes of a library folder's libllama*/libggml* files."""
     if not (d / "libllama.so").is_file():
-        raise UsageError(f"{S.ENV_LIB_DIR}={d} has no libllama.so")
+        raise UsageError(f"{ENV_LIB_DIR}={d} has no libllama.so")
     h = hashlib.sha256()
     for p in library_files(d):
         h.update(f"{p.name}\0{sha256_file(p)}\n".encode())
@@ -285,7 +285,7 @@ def device_name(device: str) -> str:
     return ",".join(f"hip:{i}" for i in ids) if ids else "cpu"
 
 
-def identity(settings: S.Settings, model_path: str | os.PathLike, device: str = "cpu") -> Identity:
+def identity(settings: Settings, model_path: str | os.PathLike, device: str = "cpu") -> Identity:
     from .records import file_sha256  # records imports the engine; keep this module light
     if settings.lib_dir:
         source, key = "dir", dir_key(Path(settings.lib_dir))
@@ -321,20 +321,23 @@ def qualify_command(model: str | None, weights: str, lib: str, device: str, widt
 AUTO_WIDTHS = "4,8,16,32,64"  # what the note for `--chunk auto` without a record suggests
 
 
-def lookup(settings: S.Settings, chunk: S.Chunk, model: str | None, weights: str, device: str,
-           warn: Warn, note: Warn) -> S.Qualified | None:
+def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, device: str,
+           warn: Warn, note: Warn) -> Qualified | None:
     """What the record of this library, model and device proves for --chunk `chunk` (auto or
     N > 4). No proof: N > 4 is a UsageError naming the qualify command; auto notes that it runs 4."""
     path = model_file(model, weights)
     rec = load(identity(settings, path, device), warn) if path else None
     if rec is not None:
-        width, mode = widest_proven(rec.widths) if chunk == S.AUTO else (chunk, proven_mode(rec.widths, chunk))
+        if isinstance(chunk, int):
+            width, mode = chunk, proven_mode(rec.widths, chunk)
+        else:
+            width, mode = widest_proven(rec.widths)
         if mode:
-            return S.Qualified(str(record_path(rec.identity)), rec.identity.key, width, mode)
-    cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == S.AUTO else str(chunk))
-    if chunk != S.AUTO:
+            return Qualified(str(record_path(rec.identity)), rec.identity.key, width, mode)
+    cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == AUTO else str(chunk))
+    if chunk != AUTO:
         raise UsageError(f"--chunk {chunk}: no qualification record proves width {chunk} exact for this "
                          f"library, model and device: run `{cmd}`")
     note(f"--chunk auto: no qualification record for this library, model and device, running "
-         f"{S.MAX_BAND} (to qualify wider bands run `{cmd}`)")
+         f"{MAX_BAND} (to qualify wider bands run `{cmd}`)")
     return None

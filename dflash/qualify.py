@@ -39,15 +39,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
-from . import bands as B
-from . import prefill as P
-from . import qualification as Qn
-from . import settings as S
-from . import trace as T
+from . import diff, llama, prefill, qualification, records, settings
+from .bands import BOUNDARY, START, TAIL, Band, fixed_bands, positive_ratios
 from .errors import UsageError
+from .results import Library, QualificationRef, QualifyReport, QualifyResult, RecordRef, RunCheck, WidthResult
+from .trace import Row, Trace, bit_equal, comparable, first_differing_row
 
 DEFAULT_WIDTHS = (2, 3, 4, 5, 6, 7, 8)
 ROUTING_NODE = re.compile(r"ffn_moe_(topk|weights_scaled)-(\d+)")
@@ -57,7 +56,7 @@ ROUTING_FIELD = {"topk": "expert_ids", "weights_scaled": "weights"}
 def default_resume_point(n_tokens: int, ratios: Iterable[int] = (4, 128)) -> int:
     """The first position p > n/3 aligned to no compress ratio (p % 4 != 0 and p % 128 != 0 on
     DeepSeek V4)."""
-    rs = B.positive_ratios(ratios)
+    rs = positive_ratios(ratios)
     p = n_tokens // 3 + 1
     while any(p % r == 0 for r in rs):
         p += 1
@@ -75,21 +74,18 @@ def long_prompt(base: str, tokenize: Callable[[str], list[int]], widest: int) ->
     return text, tokens
 
 
-def verdicts(results: list[dict], evidence_dir: str | None = None) -> tuple[Qn.Verdict, ...]:
+def verdicts(results: Iterable[WidthResult], evidence_dir: str | None = None) -> tuple[qualification.Verdict, ...]:
     """The qualification record's per-width verdicts from qualify's results (width 1: both runs
     are the q1 repeat)."""
     out = []
     for r in results:
-        planner_widest = max(map(int, r["schedule"]["widths"]))
-        f = r.get("fixed_width")
-        out.append(Qn.Verdict(r["width"], r.get("planner_exact", r["exact"]), planner_widest,
-                              f["exact"] if f else r["exact"], f["widest_band"] if f else planner_widest,
-                              evidence_dir))
+        p, f = r.planner, r.fixed or r.planner
+        out.append(qualification.Verdict(r.width, p.exact, p.widest_band, f.exact, f.widest_band, evidence_dir))
     return tuple(out)
 
 
 def recommend(exact_by_cap: dict[int, bool], widest_by_cap: dict[int, int] | None = None,
-              max_cap: int = S.MAX_BAND) -> dict:
+              max_cap: int = settings.MAX_BAND) -> dict:
     """The recommendation from per-cap verdicts (see the module doc); `widest_by_cap` is the widest
     band each cap's schedule really decoded (the planner may never reach a large cap)."""
     largest = 0
@@ -99,13 +95,13 @@ def recommend(exact_by_cap: dict[int, bool], widest_by_cap: dict[int, int] | Non
     cap = max(1, min(largest, max_cap))
     return {"largest_exact_cap": largest, "largest_exact_width": widest, "recommended_cap": cap,
             "recommended_bands": cap > 1, "recommended_mmvq_max_ncols": cap,
-            "recommended_env": {S.ENV_BANDS: "1" if cap > 1 else "0", S.ENV_MMVQ: str(cap)}}
+            "recommended_env": {settings.ENV_BANDS: "1" if cap > 1 else "0", settings.ENV_MMVQ: str(cap)}}
 
 
 def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, resume_at: int,
-             plans: dict[int, list[B.Band]], fixed: dict[int, list[B.Band]] | None = None) -> dict:
+             plans: dict[int, list[Band]], fixed: dict[int, list[Band]] | None = None) -> dict:
     """What the prompt and schedules cover; `missing` lists what a qualification needs but lacks."""
-    rs = B.positive_ratios(ratios)
+    rs = positive_ratios(ratios)
     # crossed: the prompt holds the first position a boundary changes: r, the first to see a
     # ratio-r compressed row (emitted at r - 1), and sw, the first whose window drops position 0
     crossings = [{"what": f"compress ratio {r}", "position": r, "crossed": n_tokens > r} for r in rs]
@@ -113,16 +109,16 @@ def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, r
         crossings.append({"what": f"sliding window {sliding_window}", "position": sliding_window,
                           "crossed": n_tokens > sliding_window})
     with_reason = {reason: sorted(w for w, plan in plans.items() if any(b.reason == reason for b in plan))
-                   for reason in (B.START, B.TAIL, B.BOUNDARY)}
+                   for reason in (START, TAIL, BOUNDARY)}
     unaligned = 0 < resume_at < n_tokens and all(resume_at % r for r in rs)
     missing = [f"the prompt ({n_tokens} tokens) does not cross the {c['what']}" for c in crossings
                if not c["crossed"]]
     if not unaligned:
         missing.append(f"resume point {resume_at} is not an unaligned position inside the prompt")
-    if rs and not with_reason[B.START]:
+    if rs and not with_reason[START]:
         missing.append(f"no cap's plan cuts a 'start' band at the resume point {resume_at} (pick "
                        f"--resume-at nearer below a boundary than the smallest cap, e.g. p % 4 == 3)")
-    if not with_reason[B.TAIL]:
+    if not with_reason[TAIL]:
         missing.append("no cap's plan ends a part with a 'tail' band")
     short = sorted(w for w, bands in (fixed or {}).items() if max(b.width for b in bands) < w)
     if short:
@@ -130,8 +126,8 @@ def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, r
                        f"and after the resume point {resume_at} are shorter)")
     return {"n_tokens": n_tokens, "ratios": list(rs), "sliding_window": sliding_window,
             "crossings": crossings, "resume_at": resume_at, "resume_unaligned": unaligned,
-            "widths_with_start_band": with_reason[B.START], "widths_with_tail_band": with_reason[B.TAIL],
-            "widths_with_boundary_band": with_reason[B.BOUNDARY], "widths_not_decoded": short,
+            "widths_with_start_band": with_reason[START], "widths_with_tail_band": with_reason[TAIL],
+            "widths_with_boundary_band": with_reason[BOUNDARY], "widths_not_decoded": short,
             "missing": missing}
 
 
@@ -139,13 +135,13 @@ def _ws(ws: list[int]) -> str:
     return ",".join(map(str, ws))
 
 
-def schedule_summary(bands: list[B.Band]) -> dict:
+def schedule_summary(bands: list[Band]) -> dict:
     return {"n_bands": len(bands),
             "widths": {str(w): c for w, c in sorted(Counter(b.width for b in bands).items(), reverse=True)},
             "reasons": dict(sorted(Counter(b.reason for b in bands).items()))}
 
 
-def routing_rows(row_map: dict[str, T.Row]) -> dict[tuple[int, str], T.Row]:
+def routing_rows(row_map: dict[str, Row]) -> dict[tuple[int, str], Row]:
     """(layer, field) -> row for the routing nodes among one position's rows."""
     out = {}
     for r in row_map.values():
@@ -155,19 +151,19 @@ def routing_rows(row_map: dict[str, T.Row]) -> dict[tuple[int, str], T.Row]:
     return out
 
 
-def routing_layers(trace: T.Trace) -> list[int]:
+def routing_layers(trace: Trace) -> list[int]:
     return sorted({layer for pos in trace for layer, _ in routing_rows(pos)})
 
 
-def first_routing_diff(ref: T.Trace, other: T.Trace) -> dict | None:
+def first_routing_diff(ref: Trace, other: Trace) -> dict | None:
     """The first (position, layer) whose expert ids or weights differ from ref, or are missing."""
-    for p, (a, b) in enumerate(zip(ref, other)):
+    for p, (a, b) in enumerate(zip(ref, other, strict=False)):
         ra, rb = routing_rows(a), routing_rows(b)
         for layer, fld in sorted(ra):
             x, y = ra[(layer, fld)], rb.get((layer, fld))
-            if y is None or not T.comparable(x, y):
+            if y is None or not comparable(x, y):
                 return {"position": p, "layer": layer, "field": fld, "problem": "missing"}
-            if not T.bit_equal(x.values, y.values):
+            if not bit_equal(x.values, y.values):
                 return {"position": p, "layer": layer, "field": fld, "problem": "differs",
                         "reference": x.values.tolist(), "value": y.values.tolist()}
     return None
@@ -177,50 +173,31 @@ def first_routing_diff(ref: T.Trace, other: T.Trace) -> dict | None:
 class Run:
     label: str
     width: int                # the planner's cap (1 for the q1 runs)
-    bands: list[B.Band]
-    result: P.Result
-    routing: T.Trace
+    bands: list[Band]
+    result: prefill.Result
+    routing: Trace
 
 
-def traced_request(eng, tap, tokens: list[int], bands: list[B.Band], n_predict: int,
-                   progress=lambda done, total: None, strict: bool = True) -> tuple[P.Result, T.Trace]:
-    """One request on a fresh context with every band's tapped nodes recorded per position.
-
-    A fresh context per schedule means cache cells not yet written (masked, but visible in
-    nodes such as kq) hold the same bytes in both runs rather than the previous run's values."""
-    ctx = eng.context(eng.context_size(len(tokens), n_predict, None), max(b.width for b in bands),
-                      eval_callback=tap.callback)
-    trace = T.new_trace(len(tokens))
-    tap.take()
-    try:
-        r = P.run(ctx, P.Request(tokens, bands, n_predict, keep_logits=True), progress,
-                  on_band=lambda b: T.add_decode(trace, tap.take(), b.start, b.width, strict))
-    finally:
-        tap.take()  # drop the response decodes' nodes
-        ctx.close()
-    return r, trace
-
-
-def run_schedule(eng, tap, label: str, width: int, tokens: list[int], bands: list[B.Band],
+def run_schedule(eng, tap, label: str, width: int, tokens: list[int], bands: list[Band],
                  n_predict: int, progress=lambda done, total: None) -> Run:
     """One cache-cold request with the routing nodes of every band tapped."""
-    r, trace = traced_request(eng, tap, tokens, bands, n_predict, progress, strict=False)
+    r, trace = diff.traced_request(eng, tap, tokens, bands, n_predict, progress, strict=False)
     return Run(label, width, bands, r, trace)
 
 
-def compare(ref: Run, run: Run, moe: bool) -> dict:
-    first, n_rows, max_d = T.first_differing_row(ref.result.logits, run.result.logits)
+def compare(ref: Run, run: Run, moe: bool) -> RunCheck:
+    assert ref.result.logits is not None and run.result.logits is not None  # kept by diff.traced_request
+    first, n_rows, max_d = first_differing_row(ref.result.logits, run.result.logits)
     routing = first_routing_diff(ref.routing, run.routing) if moe else None
     same_response = run.result.response_sha256 == ref.result.response_sha256
     exact = first is None and same_response and routing is None
-    return {"width": run.width, "label": run.label, "schedule": schedule_summary(run.bands),
-            "widest_band": max(b.width for b in run.bands),
-            "exact": exact, "logits_identical": first is None, "first_diff_position": first,
-            "n_positions_differing": n_rows, "max_abs_diff": max_d if math.isfinite(max_d) else None,
-            "logits_sha256": run.result.logits_sha256, "response_sha256": run.result.response_sha256,
-            "response_identical": same_response,
-            "routing_identical": (routing is None) if moe else None, "first_routing_diff": routing,
-            "prefill_seconds": run.result.prefill_seconds}
+    return RunCheck(width=run.width, label=run.label, schedule=schedule_summary(run.bands),
+                    widest_band=max(b.width for b in run.bands), exact=exact, logits_identical=first is None,
+                    first_diff_position=first, n_positions_differing=n_rows,
+                    max_abs_diff=max_d if math.isfinite(max_d) else None,
+                    logits_sha256=run.result.logits_sha256, response_sha256=run.result.response_sha256,
+                    response_identical=same_response, routing_identical=(routing is None) if moe else None,
+                    first_routing_diff=routing, prefill_seconds=run.result.prefill_seconds)
 
 
 def request_record(run: Run, exact: bool) -> dict:
@@ -233,7 +210,7 @@ def request_record(run: Run, exact: bool) -> dict:
 
 def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
             resume_at: int | None = None, n_predict: int = 8,
-            progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[dict, dict]:
+            progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[QualifyReport, dict]:
     """Run q1 and every width; returns (report, requests) for output and evidence."""
     n = len(tokens)
     ws = sorted({1, *widths})
@@ -245,7 +222,7 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
                          f"the prompt has {n} tokens")
     plans = {w: eng.request_bands(n, resume_at, cap=w, bands_on=True) for w in ws}
     m = eng.settings.mmvq_max_ncols
-    fixed = {w: B.fixed_bands(resume_at, w, mmvq_max_ncols=m) + B.fixed_bands(n - resume_at, w, resume_at, m)
+    fixed = {w: fixed_bands(resume_at, w, mmvq_max_ncols=m) + fixed_bands(n - resume_at, w, resume_at, m)
              for w in ws if w > 1}
     eng.context_size(n, n_predict, None)  # fail early when it does not fit
     cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans, fixed)
@@ -266,41 +243,54 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
         k += 1
         run = run_schedule(eng, tap, "q1 repeat" if w == 1 else f"cap {w}", w, tokens, plans[w],
                            n_predict, step(k))
-        res = compare(ref, run, moe)
-        requests.append(request_record(run, res["exact"]))
+        planner = compare(ref, run, moe)
+        requests.append(request_record(run, planner.exact))
+        f = None
         if w in fixed:
             k += 1
             frun = run_schedule(eng, tap, f"fixed {w}", w, tokens, fixed[w], n_predict, step(k))
             f = compare(ref, frun, moe)
-            requests.append(request_record(frun, f["exact"]))
-            res["planner_exact"] = res["exact"]
-            res["fixed_width"] = {key: f[key] for key in ("exact", "logits_identical", "first_diff_position",
-                                                          "max_abs_diff", "response_identical",
-                                                          "routing_identical", "first_routing_diff",
-                                                          "widest_band", "schedule")}
-            res["exact"] = res["exact"] and f["exact"]
-            res["widest_band"] = max(res["widest_band"], f["widest_band"])
-            if res["first_diff_position"] is None:
-                res["first_diff_position"] = f["first_diff_position"]
-        results.append(res)
-    rec = recommend({r["width"]: r["exact"] for r in results}, {r["width"]: r["widest_band"] for r in results})
-    rec["recommended_chunk"], rec["recommended_band_mode"] = Qn.widest_proven(verdicts(results))
-    report = {
-        "model": eng.info.path, "architecture": eng.info.architecture, "library": eng.settings.lib,
-        "threads": eng.threads, "n_tokens": n, "n_predict": n_predict, "resume_at": resume_at,
-        "widths": ws, "coverage": cov, "moe": moe, "routing_layers": routing_layers(ref.routing),
-        "reference": request_record(ref, True) | {"response_tokens": ref.result.response_tokens},
-        "results": results, "all_exact": all(r["exact"] for r in results), **rec,
-    }
+            requests.append(request_record(frun, f.exact))
+        results.append(WidthResult(planner, f))
+    rec = recommend({r.width: r.exact for r in results}, {r.width: r.widest_band for r in results})
+    chunk, mode = qualification.widest_proven(verdicts(results))
+    report = QualifyReport(
+        model=eng.info.path, architecture=eng.info.architecture,
+        library=Library(eng.settings.lib, str(eng.lib_dir)), threads=eng.threads, n_tokens=n,
+        n_predict=n_predict, resume_at=resume_at, widths=tuple(ws), coverage=cov, moe=moe,
+        routing_layers=tuple(routing_layers(ref.routing)),
+        reference=request_record(ref, True) | {"response_tokens": ref.result.response_tokens},
+        results=tuple(results), recommended_chunk=chunk, recommended_band_mode=mode, **rec)
     return report, {"requests": requests, "exact_requests": [q for q in requests if q["exact"]]}
 
 
-def write_evidence(ev, records: dict[str, dict], report: dict, requests: dict):
-    """Fill an open EvidenceWriter with provenance records, results.json and requests.json and
-    commit it; returns (dir, manifest sha256)."""
-    for name, rec in records.items():
+def qualify_and_record(eng, text: str, tokens: list[int], writer, widths: Iterable[int] = DEFAULT_WIDTHS,
+                       resume_at: int | None = None, n_predict: int = 8, device: str = "cpu",
+                       progress: Callable[[int, int], None] = lambda done, total: None,
+                       warn: Callable[[str], None] = lambda msg: None) -> QualifyResult:
+    """qualify(), then its verdicts as the qualification record of this library, model and device:
+    a copy goes into the open EvidenceWriter `writer` (committed here with the provenance, results
+    and requests), the record in the user cache is merged with it."""
+    ident = qualification.identity(eng.settings, eng.info.path, device)
+    tap = llama.GraphTap(lambda name: ROUTING_NODE.fullmatch(name) is not None)
+    report, requests = qualify(eng, tap, tokens, widths, resume_at, n_predict, progress)
+    record = qualification.Record(ident, str(eng.info.path), qualification.now_utc(),
+                                  verdicts(report.results, str(writer.final_dir)))
+    writer.write_bytes(qualification.FILE_NAME, qualification.render(record))
+    ref = RecordRef(str(qualification.record_path(ident)), ident.key, qualification.FILE_NAME)
+    directory, sha = write_evidence(writer, records.provenance(eng, None, text, tokens), report, ref, requests)
+    stored = qualification.save(record, warn)
+    width, mode = qualification.widest_proven(stored.widths)
+    return QualifyResult(report, QualificationRef(ref, width, mode, tuple(v.width for v in stored.widths)),
+                         str(directory), sha)
+
+
+def write_evidence(ev, provenance: dict[str, dict], report: QualifyReport, record: RecordRef, requests: dict):
+    """Fill an open EvidenceWriter with provenance records, results.json (the report and where its
+    record went) and requests.json and commit it; returns (dir, manifest sha256)."""
+    for name, rec in provenance.items():
         ev.write_json(name, rec)
-    ev.write_json("results.json", report)
+    ev.write_json("results.json", {**report.to_json(), "qualification": record.to_json()})
     ev.write_json("requests.json", requests)
     ev.add_hash_check("requests.json", "requests", "prompt_sha256")
     ev.add_hash_check("requests.json", "exact_requests", "logits_sha256")

@@ -5,15 +5,18 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from . import __version__, build, llama
-from .build import REPO_ROOT
-from .engine import Engine
+from . import __version__, llama, paths
 from .devices import cpu_model
+from .engine import Engine
+from .errors import DflashError
 from .evidence import default_dir, sha256_file
+from .paths import REPO_ROOT
 
 
 def machine_facts() -> dict:
@@ -39,26 +42,64 @@ def git_revision(repo_root: str | os.PathLike) -> str | None:
     return head.strip() + ("-dirty" if status is None or status.strip() else "")
 
 
-def file_sha256(path: str) -> str:
-    """SHA-256 of a (possibly very large) model file, remembered by path, size and mtime in the
-    user cache so repeated runs do not re-read tens of gigabytes."""
-    st = os.stat(path)
-    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    store = build.cache_root() / "sha256-cache.json"
+_SHA_CACHE = "sha256-cache.json"  # {realpath: {"sha256": hex, **_file_identity(stat)}}
+
+
+def _file_identity(st: os.stat_result) -> dict:
+    """What must be unchanged for a remembered hash to still be the file's: an edit changes ctime
+    even when size and mtime are restored (utime cannot set ctime), a replacement changes the inode."""
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino, "device": st.st_dev}
+
+
+def _read_sha_cache(store: Path) -> dict:
+    """The cache's entries; a missing, unreadable or corrupt cache (or entry) is simply absent."""
     try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        known[key] = sha256_file(path)
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            tmp = store.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known))
-            os.replace(tmp, store)
-        except OSError:
-            pass  # a read-only cache only costs the re-hash next time
-    return known[key]
+        known = json.loads(store.read_bytes()) if store.is_file() else {}  # is_file: never open a FIFO
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(known, dict):
+        return {}
+    return {path: e for path, e in known.items() if isinstance(e, dict) and isinstance(e.get("sha256"), str)
+            and re.fullmatch(r"[0-9a-f]{64}", e["sha256"])}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace path with data all at once (a temp file in the same folder, fsynced, renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of a (possibly very large) model file, remembered in the user cache so repeated runs
+    do not re-read tens of gigabytes. The hash is reused only while the file's path, size, mtime,
+    ctime, inode and device are all unchanged, and a file that changes while it is hashed is an error:
+    evidence never names a hash of other bytes."""
+    real = os.path.realpath(path)
+    identity = _file_identity(os.stat(real))
+    store = paths.cache_root() / _SHA_CACHE
+    known = _read_sha_cache(store)
+    entry = known.get(real)
+    if entry is not None and entry == {**identity, "sha256": entry["sha256"]}:
+        return entry["sha256"]
+    sha = sha256_file(real)
+    if _file_identity(os.stat(real)) != identity:
+        raise DflashError(f"{path}: changed while it was being hashed")
+    known[real] = {**identity, "sha256": sha}
+    try:
+        _write_atomic(store, json.dumps(known, sort_keys=True).encode())
+    except OSError:
+        pass  # a read-only cache only costs the re-hash next time
+    return sha
 
 
 def default_evidence_dir(kind: str) -> Path:
@@ -69,8 +110,8 @@ def default_evidence_dir(kind: str) -> Path:
 
 
 def library_identity() -> dict:
-    return {"dir": str(llama.library_dir()), "llama_cpp_python": build.LLAMA_CPP_PYTHON_VERSION,
-            "llama_cpp_commit": build.LLAMA_CPP_COMMIT,
+    return {"dir": str(llama.library_dir()), "llama_cpp_python": paths.LLAMA_CPP_PYTHON_VERSION,
+            "llama_cpp_commit": paths.LLAMA_CPP_COMMIT,
             "files": {p.name: sha256_file(p) for p in llama.library_files()}}
 
 

@@ -16,11 +16,11 @@ build's narrow kernels route exactly the widths dflash labels narrow.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Mapping, Union
 
-from .build import FLAVORS
 from .errors import UsageError
+from .paths import FLAVORS
 
 ENV_BANDS = "DFLASH_DS4_EXACT_PREFILL_BANDS"
 ENV_MMVQ = "LUCE_MMVQ_MAX_NCOLS"
@@ -59,7 +59,7 @@ def parse_int(name: str, value: str) -> int:
         raise UsageError(f"{name}={value!r} is not an integer") from None
 
 
-Chunk = Union[int, str]  # 1..MAX_CHUNK or AUTO
+Chunk = int | str  # 1..MAX_CHUNK or AUTO
 
 
 def parse_chunk(value: Chunk | None) -> Chunk | None:
@@ -137,10 +137,16 @@ class Settings:
         return []
 
 
+def env_bool(name: str, env: Mapping[str, str] | None = None) -> bool | None:
+    """A boolean flag from the environment: None when unset or empty, else parse_bool (a
+    malformed value is a usage error, for every flag and every command alike)."""
+    value = (os.environ if env is None else env).get(name, "")
+    return parse_bool(name, value) if value.strip() else None
+
+
 def debug_flag(env: Mapping[str, str] | None = None) -> bool:
-    """DFLASH_DEBUG; a malformed value counts as on (it only adds tracebacks)."""
-    v = (os.environ if env is None else env).get(ENV_DEBUG, "").strip().lower()
-    return v != "" and v not in _FALSE
+    """DFLASH_DEBUG (read by the CLI edge before any Settings exist)."""
+    return bool(env_bool(ENV_DEBUG, env))
 
 
 def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
@@ -152,7 +158,7 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
     env = os.environ if env is None else env
     requested = parse_chunk(chunk)
     requested = MAX_BAND if requested is None else requested
-    env_bands = parse_bool(ENV_BANDS, env[ENV_BANDS]) if env.get(ENV_BANDS, "").strip() else None
+    env_bands = env_bool(ENV_BANDS, env)
     bands_from = "default"
     bands_on = False
     if bands is not None:
@@ -162,7 +168,7 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
     elif env_bands is not None:
         bands_on, bands_from = env_bands, "env"
 
-    chunk = requested if requested != AUTO else MAX_BAND
+    chunk = requested if isinstance(requested, int) else MAX_BAND
     if not bands_on or not needs_record(requested):
         qualified = None
     elif qualified is not None and (requested in (AUTO, qualified.width)):
@@ -183,7 +189,7 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
     lib_dir = env.get(ENV_LIB_DIR, "").strip() or None
     if lib_dir and lib != "exact":
         raise UsageError(f"{ENV_LIB_DIR} replaces the exact library; unset it to run --lib {lib}")
-    verbose = env.get(ENV_VERBOSE, "").strip() != "" and parse_bool(ENV_VERBOSE, env[ENV_VERBOSE])
+    verbose = bool(env_bool(ENV_VERBOSE, env))
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),

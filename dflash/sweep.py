@@ -20,13 +20,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 from . import stats
-from .build import FLAVORS
 from .errors import DflashError, UsageError
+from .paths import FLAVORS
 from .settings import ENV_LIB_DIR
+from .supervisor import describe_exit
 
 DEFAULT_WIDTHS = "1,4,64,512"
 DEFAULT_LIBS = "exact,stock"
@@ -197,15 +198,17 @@ class Worker:
             raise
 
     def call(self, msg: dict) -> dict:
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None  # both are pipes
         try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            stdin.write(json.dumps(msg) + "\n")
+            stdin.flush()
+            line = stdout.readline()
         except (BrokenPipeError, OSError):
             line = ""
         if not line:
             rc = self.proc.wait()
-            raise DflashError(f"the {self.lib} worker exited (rc={rc}) without an answer")
+            raise DflashError(f"the {self.lib} library's worker {describe_exit(rc)} without an answer")
         try:
             answer = json.loads(line)
         except json.JSONDecodeError:
@@ -218,9 +221,11 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            stdin = self.proc.stdin
+            assert stdin is not None
             try:
-                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                self.proc.stdin.close()
+                stdin.write(json.dumps({"quit": True}) + "\n")
+                stdin.close()
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
@@ -278,14 +283,14 @@ def measure(plan: Plan, progress: Callable[[int, int], None] = lambda d, t: None
                                f"to fit the model's context")
         todo = schedule(plan.libs, widths, plan.warmup, plan.runs)
         samples = []
-        for k, (lib, w, kind, rnd) in enumerate(todo):
-            a = workers[lib].call({"width": w, "kind": kind})
-            samples.append(Sample(lib, w, kind, rnd, a["prefill_seconds"], a["tokens_per_second"],
+        for k, (lib, width, kind, rnd) in enumerate(todo):
+            a = workers[lib].call({"width": width, "kind": kind})
+            samples.append(Sample(lib, width, kind, rnd, a["prefill_seconds"], a["tokens_per_second"],
                                   a["logits_sha256"], a["response_sha256"], a["n_bands"]))
             progress(k + 1, len(todo))
     finally:
-        for w in workers.values():
-            w.close()
+        for worker in workers.values():
+            worker.close()
     return Measurement(samples, widths, ready, warnings)
 
 
@@ -346,8 +351,8 @@ def write_evidence(w, argv: list[str], options: dict, m: Measurement, r: SweepRe
                 w.write_json(f"{lib}/{name}", rec)
     w.write_json("requests.json", {"requests": [s.to_json() for s in m.samples]})
     w.write_json("verification.json", {"libs": {lib: [s.to_json() for s in m.samples
-                                                       if s.lib == lib and s.kind == "verify"]
-                                                 for lib in r.libs}})
+                                                      if s.lib == lib and s.kind == "verify"]
+                                                for lib in r.libs}})
     if "exact" in r.libs:  # the exact library's claim: every width equals its q1
         w.add_hash_check("verification.json", "libs.exact", "logits_sha256")
         w.add_hash_check("verification.json", "libs.exact", "response_sha256")

@@ -21,12 +21,8 @@ import json
 import os
 import sys
 
-from . import bands as B
-from . import engine as E
-from . import prefill as P
-from . import records
-from . import settings as S
-from . import tiny_model
+from . import engine, prefill, records, settings, tiny_model
+from .bands import Band, fixed_bands
 from .errors import DflashError, UsageError
 
 
@@ -45,9 +41,9 @@ def repeat_to(tokenize, text: str, need: int) -> tuple[str, list[int], int]:
 
 class Session:
     def __init__(self, setup: dict):
-        s = S.resolve(bands=True, lib=setup["lib"])  # the planner is not used: bands are fixed-width
-        self.eng = E.open_engine(s, setup.get("model"), threads=setup.get("threads"),
-                                 weights=setup.get("weights") or tiny_model.DEFAULT_WEIGHTS)
+        s = settings.resolve(bands=True, lib=setup["lib"])  # the planner is not used: bands are fixed-width
+        self.eng = engine.open_engine(s, setup.get("model"), threads=setup.get("threads"),
+                                      weights=setup.get("weights") or tiny_model.DEFAULT_WEIGHTS)
         self.n_predict = int(setup.get("n_predict", 4))
         text, tokens, self.repeats = repeat_to(self.eng.tokenize, setup["prompt"], int(setup["min_tokens"]))
         limit = self.eng.model.n_ctx_train or self.eng.info.context_length or 0
@@ -58,10 +54,10 @@ class Session:
         self.text, self.tokens = text, tokens
         max_band = max(1, min(int(setup["max_width"]), len(tokens)))
         self.ctx = self.eng.context(len(tokens) + self.n_predict, max_band)
-        self._bands: dict[int, list[B.Band]] = {}
+        self._bands: dict[int, list[Band]] = {}
 
     def ready(self) -> dict:
-        return {"n_tokens": len(self.tokens), "tokens_sha256": P.sha256_tokens(self.tokens),
+        return {"n_tokens": len(self.tokens), "tokens_sha256": prefill.sha256_tokens(self.tokens),
                 "repeats": self.repeats, "truncated_from": self.truncated_from, "threads": self.eng.threads,
                 "n_ctx_train": self.eng.model.n_ctx_train,
                 "provenance": records.provenance(self.eng, None, self.text, self.tokens)}
@@ -70,10 +66,10 @@ class Session:
         w, kind = int(req["width"]), req["kind"]
         if not 1 <= w <= self.ctx.max_band:
             raise UsageError(f"width {w} outside 1..{self.ctx.max_band}")
-        bands = self._bands.setdefault(w, B.fixed_bands(len(self.tokens), w))
+        bands = self._bands.setdefault(w, fixed_bands(len(self.tokens), w))
         verify = kind == "verify"
-        r = P.run(self.ctx, P.Request(self.tokens, bands, self.n_predict if verify else 0,
-                                      "all" if verify else "last"))
+        r = prefill.run(self.ctx, prefill.Request(self.tokens, bands, self.n_predict if verify else 0,
+                                                  "all" if verify else "last"))
         return {"prefill_seconds": r.prefill_seconds, "tokens_per_second": r.prefill_tokens_per_second,
                 "logits_sha256": r.logits_sha256, "response_sha256": r.response_sha256, "n_bands": len(bands)}
 

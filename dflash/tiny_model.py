@@ -8,14 +8,31 @@ multiples of 32. The "test" tokenizer built into llama.cpp (5-character chunks) 
 The bytes depend only on the options: the GGUF writer is fed in a fixed order from one seeded
 generator, and the file is written to a temporary name and renamed into place. K-quant presets
 (q4_k_m, q6_k) are the f32 model run through the loaded llama.cpp's quantizer (one thread).
+
+The user cache (`ensure`) names each model by a key over everything its bytes depend on that
+this module can see: every TinyConfig field, the writer (WRITER_VERSION and the SHA-256 of this
+file's own source), and the installed gguf (its version and the SHA-256 of its modules) and numpy
+(its Generator streams may change between versions). A sidecar `<model>.json` holds the model's
+SHA-256 and size, written at the same time; a model is reused only when its sidecar matches its
+bytes, and anything else (missing, truncated, flipped, unreadable) is rewritten. Files reach their
+names only by os.replace from a temporary file in the same folder, so a crash leaves no
+half-written model under a name that would be reused.
+K-quant presets also depend on the llama.cpp library whose quantizer made them; its identity is
+not known here, so their key holds only what `ensure(..., quantizer_key=)` is given (nothing by
+default): a cached K-quant model is reused across library builds.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
 import os
-import tempfile
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -33,6 +50,13 @@ WEIGHTS = DIRECT + tuple(QUANTIZED)
 DEFAULT_WEIGHTS = "mxfp4"
 
 Quantizer = Callable[[str, str, int], None]  # (f32 source, destination, llama_ftype)
+
+# numpy's default_rng takes any non-negative integer; dflash keeps seeds to 32 bits (numpy's
+# legacy seed range), which every preset and the cache file names accept.
+SEED_MAX = 2**32 - 1
+# Bump when the bytes change for a reason the source hash below cannot see (it also versions the
+# cache layout: the key and the sidecar).
+WRITER_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +86,10 @@ class TinyConfig:
     def __post_init__(self):
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r} (use one of {', '.join(WEIGHTS)})")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in 0..{SEED_MAX}, not {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # a numpy integer keys the cache as an int
         if any(r not in (0, 4, 128) for r in self.ratios) or 4 not in self.ratios:
             raise ValueError("ratios must be 0/4/128 with at least one ratio-4 layer")
 
@@ -84,36 +112,60 @@ def needs_quantizer(weights: str) -> bool:
     return weights in QUANTIZED
 
 
-def _temp(directory: Path) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=directory)
-    os.close(fd)
-    return tmp
+def _temp(directory: Path, suffix: str = ".gguf") -> str:
+    """A new empty file in `directory` (created exclusively, with the mode umask gives new files,
+    not mkstemp's 0600: the model lands at its name with that mode)."""
+    while True:
+        tmp = str(directory / f".tiny-{secrets.token_hex(8)}{suffix}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write(path: str | os.PathLike, cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
     """Write the model to `path` atomically; returns the path. K-quant presets need `quantize`
     (dflash.llama.quantize, with the library loaded): it turns the f32 model into them."""
+    path = Path(path)
+    _write_atomic(path, cfg, quantize)
+    return path
+
+
+def _write_atomic(path: Path, cfg: TinyConfig, quantize: Quantizer | None,
+                  before_replace: Callable[[str], None] = lambda tmp: None) -> None:
+    """Write the model to a temporary file next to `path` and rename it into place;
+    `before_replace(tmp)` runs on the finished temporary file first."""
     import gguf
     from gguf import GGMLQuantizationType as QT
 
     if needs_quantizer(cfg.weights) and quantize is None:
         raise ValueError(f"weights {cfg.weights} are made by llama.cpp's quantizer: pass quantize")
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmps = [_temp(path.parent)]
     try:
         if needs_quantizer(cfg.weights):
             _write(gguf, QT, tmps[0], replace(cfg, weights="f32"))
             tmps.append(_temp(path.parent))
+            assert quantize is not None  # checked above
             quantize(tmps[0], tmps[1], QUANTIZED[cfg.weights])
         else:
             _write(gguf, QT, tmps[0], cfg)
+        _fsync(tmps[-1])  # the bytes are on disk before the name points at them
+        before_replace(tmps[-1])
         os.replace(tmps[-1], path)
     finally:
         for tmp in tmps:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return path
 
 
 def _write(gguf, QT, out: str, c: TinyConfig) -> None:
@@ -141,10 +193,10 @@ def _write(gguf, QT, out: str, c: TinyConfig) -> None:
                      ("attention.indexer.top_k", c.top_k), ("rope.dimension_count", c.n_rot),
                      ("hyper_connection.count", HC), ("hyper_connection.sinkhorn_iterations", 20)]:
         w.add_uint32(k(key), val)
-    for key, val in [("expert_weights_scale", 1.5), ("attention.layer_norm_rms_epsilon", 1e-6),
-                     ("attention.compress_rope_freq_base", 160000.0), ("rope.freq_base", 10000.0),
-                     ("hyper_connection.epsilon", 1e-6)]:
-        w.add_float32(k(key), val)
+    for key, fval in [("expert_weights_scale", 1.5), ("attention.layer_norm_rms_epsilon", 1e-6),
+                      ("attention.compress_rope_freq_base", 160000.0), ("rope.freq_base", 10000.0),
+                      ("hyper_connection.epsilon", 1e-6)]:
+        w.add_float32(k(key), fval)
     w.add_bool(k("expert_weights_norm"), True)
     w.add_array(k("swiglu_clamp_exp"), [10.0] * n_layer)
     w.add_array(k("swiglu_clamp_shexp"), [10.0] * n_layer)
@@ -226,14 +278,114 @@ def _write(gguf, QT, out: str, c: TinyConfig) -> None:
     w.close()
 
 
-def default_path(cfg: TinyConfig = TinyConfig()) -> Path:
-    from .build import cache_root
-    return cache_root() / "models" / cfg.file_name
+def _sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
-def ensure(cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
-    """The tiny model in the user cache, written on first use and reused after."""
-    p = default_path(cfg)
-    if not p.is_file():
-        write(p, cfg, quantize)
+@functools.lru_cache(maxsize=1)
+def writer_fingerprint() -> str:
+    """WRITER_VERSION and the SHA-256 of this module's source (any edit makes new cache files)."""
+    try:
+        source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    except OSError:  # no readable source (a zipped install): the explicit version alone
+        source = "unreadable"
+    return f"{WRITER_VERSION}:{source}"
+
+
+@functools.lru_cache(maxsize=1)
+def gguf_version() -> str:
+    """The installed gguf: its version and a SHA-256 over its modules (an editable gguf-py keeps
+    its version number while its writer changes)."""
+    import gguf
+    try:
+        version = importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    h = hashlib.sha256()
+    for p in sorted(Path(gguf.__file__).parent.glob("*.py")):
+        try:
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        except OSError:
+            h.update(p.name.encode() + b"\0?")
+    return f"{version}:{h.hexdigest()}"
+
+
+def numpy_version() -> str:
+    return np.__version__
+
+
+def cache_inputs(cfg: TinyConfig, quantizer_key: str | None = None) -> dict:
+    """Everything the cached model's key covers (JSON-ready)."""
+    return {"config": dataclasses.asdict(cfg), "writer": writer_fingerprint(), "gguf": gguf_version(),
+            "numpy": numpy_version(),
+            "quantizer": quantizer_key if needs_quantizer(cfg.weights) else None}
+
+
+def cache_key(cfg: TinyConfig, quantizer_key: str | None = None) -> str:
+    blob = json.dumps(cache_inputs(cfg, quantizer_key), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def default_path(cfg: TinyConfig = TinyConfig(), quantizer_key: str | None = None) -> Path:
+    """Where `ensure` keeps the model for `cfg` (it may not exist yet)."""
+    from .paths import cache_root
+    stem = Path(cfg.file_name).stem
+    return cache_root() / "models" / f"{stem}-{cache_key(cfg, quantizer_key)[:16]}.gguf"
+
+
+def sidecar_path(model: Path) -> Path:
+    return model.with_name(model.name + ".json")
+
+
+def verify(path: Path, key: str) -> bool:
+    """True when `path` is a model whose sidecar names `key` and matches its size and SHA-256."""
+    try:
+        meta = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            return False
+        if not path.is_file() or path.stat().st_size != meta.get("bytes"):
+            return False
+        return _sha256_file(path) == meta.get("sha256")
+    except (OSError, ValueError):  # ValueError: bad JSON or text
+        return False
+
+
+def ensure(cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None,
+           quantizer_key: str | None = None) -> Path:
+    """The tiny model in the user cache: reused when its sidecar vouches for its bytes, else
+    (first use, a stale or corrupt file) written again. `quantizer_key`, for K-quant presets,
+    names the library whose quantizer `quantize` runs (part of the cache key)."""
+    from .errors import DflashError
+    p = default_path(cfg, quantizer_key)
+    key = cache_key(cfg, quantizer_key)
+    if verify(p, key):
+        return p
+    side = sidecar_path(p)
+
+    def seal(tmp: str) -> None:
+        """The sidecar of the finished temporary model; it lands before the model does, so a
+        crash between the two renames leaves a mismatch (rewritten next time), never a pass."""
+        meta = {"key": key, "sha256": _sha256_file(tmp), "bytes": os.path.getsize(tmp),
+                "inputs": cache_inputs(cfg, quantizer_key)}
+        side_tmp = _temp(p.parent, ".json")
+        try:
+            with open(side_tmp, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(side_tmp, side)
+        finally:
+            if os.path.exists(side_tmp):
+                os.unlink(side_tmp)
+
+    try:
+        if p.is_dir():
+            raise IsADirectoryError(21, "Is a directory", str(p))
+        _write_atomic(p, cfg, quantize, before_replace=seal)
+    except OSError as e:
+        raise DflashError(f"cannot write the tiny model to {p}: {e.strerror or e}") from None
     return p

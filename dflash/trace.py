@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
-
-from . import bands as B
-from .errors import UsageError
 
 Node = tuple[str, str, tuple[int, ...], np.ndarray]  # (name, op, ne, array shaped ne[::-1])
 
@@ -179,37 +176,3 @@ def first_differing_row(a: np.ndarray, b: np.ndarray) -> tuple[int | None, int, 
     n_bad = int(same.size - np.count_nonzero(same))
     first = None if n_bad == 0 else int(np.argmin(same))
     return first, n_bad, max_abs_delta(a, b)
-
-
-# ---------------------------------------------------------------------------------------------
-# Schedules
-
-SCHEDULE_HELP = ("q1 (one token per decode); wN (fixed width N, ignoring compressor boundaries); "
-                 "bandsN (the band planner with cap N: boundary-aware); one (the whole prompt in one "
-                 "decode); or a comma list of widths that sums to the prompt length, e.g. 4,4,2")
-
-
-def parse_schedule(spec: str, n_tokens: int, ratios: Iterable[int] = ()) -> list[int]:
-    """Band widths for a schedule spec (grammar: SCHEDULE_HELP) over n_tokens from position 0."""
-    s = spec.strip().lower()
-    if n_tokens < 1:
-        raise UsageError("no tokens to schedule")
-    if s == "q1":
-        return [1] * n_tokens
-    if s == "one":
-        return [n_tokens]
-    m = re.fullmatch(r"(w|bands)(\d+)", s)
-    if m:
-        cap = int(m.group(2))
-        if cap < 1:
-            raise UsageError(f"schedule {spec!r}: the width must be >= 1")
-        plan = B.fixed_bands(n_tokens, cap) if m.group(1) == "w" else B.plan(n_tokens, 0, ratios, cap)
-        return B.widths(plan)
-    if re.fullmatch(r"\d+(,\d+)*", s):
-        ws = [int(x) for x in s.split(",")]
-        if min(ws) < 1:
-            raise UsageError(f"schedule {spec!r}: widths must be >= 1")
-        if sum(ws) != n_tokens:
-            raise UsageError(f"schedule {spec!r} covers {sum(ws)} tokens, the prompt has {n_tokens}")
-        return ws
-    raise UsageError(f"schedule {spec!r} is not one of: {SCHEDULE_HELP}")

@@ -20,7 +20,7 @@ def _isolate_qualification_records() -> None:
     """Run the tests on a cache of their own that shares the user's built libraries, models and
     sources (symlinks) but not the qualification records: a record left by a run (the user's or
     an earlier test run) would change what --chunk auto and --chunk N > 4 do."""
-    from dflash.build import cache_root
+    from dflash.paths import cache_root
     real = cache_root()
     real.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="dflash-test-cache-", dir=real.parent))  # same file system

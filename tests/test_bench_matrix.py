@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from dflash import devices as D
+from dflash import devices
 
 from .conftest import ROOT, run_dflash, run_json
 
@@ -71,7 +71,7 @@ def test_matrix_cpu_rows(tiny_models):
     for name in ("cpu t1 exact", "cpu t2 exact"):
         assert rows[name]["q1_equals_bands"] and rows[name]["logits_equal_reference"]
     assert not rows["cpu t1 stock"]["q1_equals_bands"]  # the stock build is caught differing
-    hip, reason = D.hip_devices()
+    hip, reason = devices.hip_devices()
     if not hip:
         assert any("hip" in s["config"] and s["reason"] for s in r["skipped"])
 
@@ -79,7 +79,7 @@ def test_matrix_cpu_rows(tiny_models):
 def test_devices_and_selftest_without_gpu():
     d = run_json("devices")
     assert d["devices"][0]["id"] == "cpu"
-    hip, reason = D.hip_devices()
+    hip, reason = devices.hip_devices()
     assert d["hip_available"] == bool(hip)
     r = run_dflash("kernels", "selftest")
     if hip:

@@ -17,7 +17,8 @@ def test_plan_documented_examples():
     assert plan_widths("--n-tokens", 10, "--ratios", "4,128", "--chunk", 4, env=BANDS_ON)["widths"] == [4, 4, 2]
     d = plan_widths("--n-tokens", 10, "--start", 1, "--ratios", "4,128", "--chunk", 4, env=BANDS_ON)
     assert d["widths"] == [3, 4, 3]
-    assert [(b["start"], b["width"], b["reason"]) for b in d["bands"]] == [(1, 3, "start"), (4, 4, "full"), (8, 3, "tail")]
+    assert [(b["start"], b["width"], b["reason"]) for b in d["bands"]] == [
+        (1, 3, "start"), (4, 4, "full"), (8, 3, "tail")]
     assert plan_widths("--n-tokens", 10, "--ratios", "4,128", "--chunk", 4)["widths"] == [1] * 10
     assert plan_widths("--n-tokens", 9, "--ratios", "none", env=BANDS_ON)["widths"] == [4, 4, 1]
 
@@ -52,8 +53,8 @@ def assert_one_line_error(r, code, *needles):
     (["prefill", "--bands", "--chunk", "0"], {}, 2, "--chunk"),
     (["prefill", "--prompt-file", "/nonexistent/prompt.txt"], {}, 2, "prompt file not found"),
     (["prefill", "--prompt", "   "], {}, 2, "prompt is empty"),
-    (["prefill", "--model", "/nonexistent/model.gguf"], {}, 1, "not found"),
-    (["prefill", "--model", "/tmp"], {}, 1, "directory"),
+    (["prefill", "--model", "/nonexistent/model.gguf"], {}, 2, "not found"),
+    (["prefill", "--model", "/tmp"], {}, 2, "directory"),
     (["prefill"], {"LUCE_MMVQ_MAX_NCOLS": "four"}, 2, "LUCE_MMVQ_MAX_NCOLS"),
     (["nonsense-command"], {}, 2, "No such command"),
     (["prefill", "--threads", "0"], {}, 2, "--threads"),
@@ -95,7 +96,9 @@ def test_debug_shows_traceback():
 
 
 def test_cli_py_matches_console_script():
-    import subprocess, sys
+    import subprocess
+    import sys
+
     from .conftest import ROOT
     r = subprocess.run([sys.executable, "cli.py", "plan", "--n-tokens", "3", "--json"], cwd=ROOT,
                        capture_output=True, text=True)
@@ -115,5 +118,8 @@ def test_model_without_vocabulary(tmp_path):
     w = gguf.GGUFWriter(str(p), "llama")
     w.add_tokenizer_model("none")
     w.add_tensor("x", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     assert_one_line_error(run_dflash("prefill", "--model", p), 1, "no vocabulary")

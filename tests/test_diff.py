@@ -6,7 +6,7 @@ report q1 and w4 identical."""
 import numpy as np
 import pytest
 
-from dflash import trace as T
+from dflash import bands, trace
 from dflash.errors import UsageError
 
 from .conftest import run_dflash, run_json
@@ -41,15 +41,15 @@ def decode_nodes(start: int, width: int, plant=()):
 
 def build(widths, plant=()):
     n = sum(widths)
-    tr, p = T.new_trace(n), 0
+    tr, p = trace.new_trace(n), 0
     for w in widths:
-        T.add_decode(tr, decode_nodes(p, w, plant), p, w)
+        trace.add_decode(tr, decode_nodes(p, w, plant), p, w)
         p += w
     return tr
 
 
 def test_identical_traces_report_no_difference():
-    d = T.compare(build([1] * 8), build([2, 2, 4]))
+    d = trace.compare(build([1] * 8), build([2, 2, 4]))
     assert d.identical and d.first is None and d.differing == []
     assert d.positions_compared == 8 and d.positions_differing == []
     # embd, x, x#2 and topk at each position; the view has no token axis, and topk (ne = (2, w))
@@ -59,66 +59,66 @@ def test_identical_traces_report_no_difference():
 
 @pytest.mark.parametrize("pos,node,key", [(5, "x", "x"), (0, "embd", "embd"), (7, "x#2", "x#2")])
 def test_planted_difference_is_found(pos, node, key):
-    d = T.compare(build([1] * 8), build([2, 3, 3], plant=[(pos, node)]))
+    d = trace.compare(build([1] * 8), build([2, 3, 3], plant=[(pos, node)]))
     assert not d.identical
     assert (d.first.position, d.first.key, d.first.n_differing, d.first.n_values) == (pos, key, 1, D)
     assert d.first.op == ("ADD" if key == "x#2" else "MUL_MAT" if key == "x" else "GET_ROWS")
     assert d.first.max_abs_delta > 0 and d.positions_differing == [pos]
     assert d.n_compared == (3 if pos < 2 else 4)  # topk is ambiguous in the width-2 band
-    assert T.compare(build([1] * 8), build([2, 3, 3], plant=[(pos, node)]), ignore=f"^{node[0]}").identical
+    assert trace.compare(build([1] * 8), build([2, 3, 3], plant=[(pos, node)]), ignore=f"^{node[0]}").identical
 
 
 def test_first_position_wins_over_graph_order():
     # a later node at an earlier position comes first
-    d = T.compare(build([1] * 8), build([4, 4], plant=[(6, "embd"), (4, "x#2")]))
+    d = trace.compare(build([1] * 8), build([4, 4], plant=[(6, "embd"), (4, "x#2")]))
     assert (d.first.position, d.first.key) == (4, "x#2") and d.positions_differing == [4, 6]
 
 
 def test_token_axis_rule():
-    assert T.token_axis((D, 4, 1, 1), 4) == 1
-    assert T.token_axis((4, 1, 1, 1), 1) is None          # width 1: the whole node, no axis
-    assert T.token_axis((D, 7, 1, 1), 4) is None          # outermost dim is not the width
-    assert T.token_axis((256, 4, 4, 1), 4) is None        # kq with n_head == width: ambiguous
-    assert T.token_axis((256, 4, 4, 1), 4, strict=False) == 2
-    assert T.token_axis((1, 2, 2, 1), 2, strict=False) == 2  # routing weights, n_used == width
+    assert trace.token_axis((D, 4, 1, 1), 4) == 1
+    assert trace.token_axis((4, 1, 1, 1), 1) is None          # width 1: the whole node, no axis
+    assert trace.token_axis((D, 7, 1, 1), 4) is None          # outermost dim is not the width
+    assert trace.token_axis((256, 4, 4, 1), 4) is None        # kq with n_head == width: ambiguous
+    assert trace.token_axis((256, 4, 4, 1), 4, strict=False) == 2
+    assert trace.token_axis((1, 2, 2, 1), 2, strict=False) == 2  # routing weights, n_used == width
 
 
 def test_rows_slice_the_token_axis_and_keep_the_row_shape():
     arr = np.arange(2 * 3 * 5, dtype=np.float32).reshape(3, 2, 5)  # ne = (5, 2, 3): tokens outermost
-    rows = T.rows([("h", "MUL", (5, 2, 3, 1), arr)], 3)
+    rows = trace.rows([("h", "MUL", (5, 2, 3, 1), arr)], 3)
     assert [r[0].shape for r in rows] == [(5, 2, 1, 1)] * 3
     assert np.array_equal(rows[1][0].values, arr[1].ravel())
-    whole = T.rows([("h", "MUL", (5, 2, 1, 1), arr[1])], 1)[0][0]
-    assert whole.shape == (5, 2, 1, 1) and T.comparable(whole, rows[1][0])
+    whole = trace.rows([("h", "MUL", (5, 2, 1, 1), arr[1])], 1)[0][0]
+    assert whole.shape == (5, 2, 1, 1) and trace.comparable(whole, rows[1][0])
 
 
 def test_rows_of_other_shapes_are_not_compared():
-    a, b = T.new_trace(1), T.new_trace(1)
-    T.add_decode(a, [("kq", "MUL_MAT", (8, 1, 1, 1), np.zeros((1, 1, 1, 8), np.float32))], 0, 1)
-    T.add_decode(b, [("kq", "MUL_MAT", (9, 1, 1, 1), np.ones((1, 1, 1, 9), np.float32))], 0, 1)
-    d = T.compare(a, b)
+    a, b = trace.new_trace(1), trace.new_trace(1)
+    trace.add_decode(a, [("kq", "MUL_MAT", (8, 1, 1, 1), np.zeros((1, 1, 1, 8), np.float32))], 0, 1)
+    trace.add_decode(b, [("kq", "MUL_MAT", (9, 1, 1, 1), np.ones((1, 1, 1, 9), np.float32))], 0, 1)
+    d = trace.compare(a, b)
     assert d.identical and d.n_compared == 0
 
 
 def test_bits_not_tolerance():
     a = np.array([[0.0, 1.0]], np.float32)
-    assert not T.bit_equal(a, np.array([[-0.0, 1.0]], np.float32))  # equal as floats, not as bits
+    assert not trace.bit_equal(a, np.array([[-0.0, 1.0]], np.float32))  # equal as floats, not as bits
     b = a.copy()
     b[0, 1] = np.nextafter(np.float32(1), np.float32(2))
-    assert T.first_differing_row(np.vstack([a, a]), np.vstack([a, b]))[:2] == (1, 1)
-    assert T.first_differing_row(a, a.copy()) == (None, 0, 0.0)
+    assert trace.first_differing_row(np.vstack([a, a]), np.vstack([a, b]))[:2] == (1, 1)
+    assert trace.first_differing_row(a, a.copy()) == (None, 0, 0.0)
 
 
 def test_parse_schedule():
-    assert T.parse_schedule("q1", 3) == [1, 1, 1]
-    assert T.parse_schedule("one", 10) == [10]
-    assert T.parse_schedule("w3", 10, (4, 128)) == [3, 3, 3, 1]         # ignores boundaries
-    assert T.parse_schedule("bands4", 10, (4, 128)) == [4, 4, 2]
-    assert T.parse_schedule("bands4", 6, ()) == [4, 2]
-    assert T.parse_schedule("3,1,6", 10) == [3, 1, 6]
+    assert bands.parse_schedule("q1", 3) == [1, 1, 1]
+    assert bands.parse_schedule("one", 10) == [10]
+    assert bands.parse_schedule("w3", 10, (4, 128)) == [3, 3, 3, 1]         # ignores boundaries
+    assert bands.parse_schedule("bands4", 10, (4, 128)) == [4, 4, 2]
+    assert bands.parse_schedule("bands4", 6, ()) == [4, 2]
+    assert bands.parse_schedule("3,1,6", 10) == [3, 1, 6]
     for bad in ("3,1", "w0", "fast", "4,,4", "0,10"):
         with pytest.raises(UsageError):
-            T.parse_schedule(bad, 10)
+            bands.parse_schedule(bad, 10)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def test_symlink_is_caught(sealed):
     shutil.copy(d / "notes.txt", target)
     (d / "notes.txt").unlink()
     (d / "notes.txt").symlink_to(target)
-    assert ev.verify(d).problems[0] == "notes.txt: not a regular file"
+    assert ev.verify(d).problems[0] == "notes.txt: not a regular file (a symlink)"
 
 
 def test_missing_or_plain_file_dir(tmp_path):
@@ -354,7 +354,7 @@ def test_cli_tampered_is_one_line(sealed, capsys):
 
 def test_cli_errors(tmp_path, sealed, capsys):
     code, _, err = run_main(["verify", str(tmp_path / "missing")], capsys)
-    assert code == 1 and err.count("\n") == 1 and "not found" in err
+    assert code == 2 and err.count("\n") == 1 and "not found" in err and "usage error" in err
     code, _, err = run_main(["verify", str(sealed[0]), "--manifest-sha256", "xyz"], capsys)
     assert code == 2 and "--manifest-sha256" in err
     code, _, err = run_main(["verify", str(sealed[0]), "--manifest-sha256", "0" * 64], capsys)

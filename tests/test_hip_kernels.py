@@ -170,7 +170,8 @@ def test_quantized_input_path_matches(host_bins, tmp_path):
 def test_selfcheck_and_bad_arguments(host_bins):
     done = subprocess.run([str(host_bins["good"]), "--selfcheck"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    done = subprocess.run([str(host_bins["planted"]), "--selfcheck", "--expect-planted"], capture_output=True, text=True)
+    done = subprocess.run([str(host_bins["planted"]), "--selfcheck", "--expect-planted"], capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     done = subprocess.run([str(host_bins["good"]), "--type", "q5_k", "--ncols", "1"], capture_output=True, text=True)
     assert done.returncode == 2 and "unknown --type" in done.stderr

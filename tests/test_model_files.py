@@ -53,7 +53,10 @@ def test_non_deepseek_model_has_no_ratios(tmp_path):
     w = gguf.GGUFWriter(str(p), "llama")
     w.add_uint32("llama.context_length", 128)
     w.add_tensor("x", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     info = gguf_meta.read(p)
     assert info.architecture == "llama" and info.compress_ratios == () and info.context_length == 128
 

@@ -3,10 +3,7 @@ is shown to differ (so these comparisons can fail)."""
 import numpy as np
 import pytest
 
-from dflash import engine as E
-from dflash import prefill as P
-from dflash import settings as S
-from dflash import tiny_model
+from dflash import engine, prefill, settings, tiny_model
 
 from .conftest import TEST_THREADS, run_dflash, run_json
 
@@ -21,8 +18,8 @@ class ExactEngines(dict):
         self.models = models
 
     def __missing__(self, weights):
-        s = S.resolve({}, bands=True, chunk=4, lib="exact")
-        self[weights] = E.open_engine(s, str(self.models[weights]), threads=TEST_THREADS)
+        s = settings.resolve({}, bands=True, chunk=4, lib="exact")
+        self[weights] = engine.open_engine(s, str(self.models[weights]), threads=TEST_THREADS)
         return self[weights]
 
 
@@ -34,10 +31,10 @@ def exact_engines(tiny_models):
 def run(eng, tokens, cap, bands_on=True, resume_at=0, ctx=None):
     bands = eng.request_bands(len(tokens), resume_at, cap=cap, bands_on=bands_on)
     c = ctx or eng.context(len(tokens) + N_PREDICT, max(b.width for b in bands))
-    return P.run(c, P.Request(tokens, bands, N_PREDICT, keep_logits=True))
+    return prefill.run(c, prefill.Request(tokens, bands, N_PREDICT, keep_logits=True))
 
 
-def assert_bit_identical(a: P.Result, b: P.Result):
+def assert_bit_identical(a: prefill.Result, b: prefill.Result):
     rows = np.all(a.logits.view(np.uint32) == b.logits.view(np.uint32), axis=1)
     assert rows.all(), f"first differing position {int(np.argmin(rows))}"
     assert a.logits_sha256 == b.logits_sha256
@@ -47,7 +44,7 @@ def assert_bit_identical(a: P.Result, b: P.Result):
 @pytest.mark.parametrize("weights", tiny_model.WEIGHTS)
 def test_bands_equal_q1_on_exact_build(exact_engines, weights):
     eng = exact_engines[weights]
-    tokens = eng.tokenize(E.DEFAULT_PROMPT)
+    tokens = eng.tokenize(engine.DEFAULT_PROMPT)
     assert len(tokens) > 256  # crosses ratio-4, ratio-128 and the 64-token window
     q1 = run(eng, tokens, 1, bands_on=False)
     assert q1.widths == [1] * len(tokens) and len(q1.response_tokens) == N_PREDICT
@@ -63,7 +60,7 @@ def test_bands_equal_q1_on_exact_build(exact_engines, weights):
 
 def test_repeated_requests_on_one_context_are_cache_cold(exact_engines):
     eng = exact_engines["q8_0"]
-    tokens = eng.tokenize(E.DEFAULT_PROMPT)[:150]
+    tokens = eng.tokenize(engine.DEFAULT_PROMPT)[:150]
     c = eng.context(len(tokens) + N_PREDICT, 4)
     first = run(eng, tokens, 4, ctx=c)
     assert_bit_identical(first, run(eng, tokens, 4, ctx=c))
@@ -73,7 +70,7 @@ def test_repeated_requests_on_one_context_are_cache_cold(exact_engines):
 def test_different_input_changes_the_hashes(exact_engines):
     """The fingerprints see the model's output: a changed token changes logits and response."""
     eng = exact_engines["f16"]
-    tokens = eng.tokenize(E.DEFAULT_PROMPT)[:100]
+    tokens = eng.tokenize(engine.DEFAULT_PROMPT)[:100]
     a = run(eng, tokens, 4)
     b = run(eng, tokens[:-1] + [(tokens[-1] + 1) % eng.model.n_vocab], 4)
     assert a.logits_sha256 != b.logits_sha256
@@ -106,16 +103,18 @@ def test_resume_on_the_same_context(exact_engines):
     """A first request prefills [0, P) (no response), a second continues from P without clearing:
     every logits row from P on and the response equal the q1 run of the whole prompt."""
     eng = exact_engines["mxfp4"]
-    tokens = eng.tokenize(E.DEFAULT_PROMPT)
+    tokens = eng.tokenize(engine.DEFAULT_PROMPT)
     q1 = run(eng, tokens, 1, bands_on=False)
     for p in (131, 200):  # unaligned, and aligned to ratio 4
         c = eng.context(len(tokens) + N_PREDICT, 4)
-        P.run(c, P.Request(tokens[:p], eng.plan(p, 0), n_predict=0))
-        second = P.run(c, P.Request(tokens, eng.plan(len(tokens) - p, p), N_PREDICT, keep_logits=True, start=p))
+        prefill.run(c, prefill.Request(tokens[:p], eng.plan(p, 0), n_predict=0))
+        second = prefill.run(c, prefill.Request(tokens, eng.plan(len(tokens) - p, p), N_PREDICT,
+                                                keep_logits=True, start=p))
         assert second.n_prompt_tokens == len(tokens) - p and second.widths[0] == (1 if p == 131 else 4)
         assert np.array_equal(second.logits[p:].view(np.uint32), q1.logits[p:].view(np.uint32))
         assert second.response_tokens == q1.response_tokens
     # resuming on a context that was cleared is caught by the comparison: the state matters
     c.clear()
-    lost = P.run(c, P.Request(tokens, eng.plan(len(tokens) - 200, 200), N_PREDICT, keep_logits=True, start=200))
+    lost = prefill.run(c, prefill.Request(tokens, eng.plan(len(tokens) - 200, 200), N_PREDICT,
+                                          keep_logits=True, start=200))
     assert not np.array_equal(lost.logits[200:].view(np.uint32), q1.logits[200:].view(np.uint32))

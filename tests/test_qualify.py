@@ -7,9 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash import bands as B
-from dflash import qualify as Q
-from dflash import trace as T
+from dflash import bands, qualify, trace
 
 from .conftest import run_dflash, run_json
 
@@ -20,21 +18,21 @@ DS4 = (0, 4, 128, 4, 128)
 # Pure parts
 
 def test_default_resume_point():
-    assert Q.default_resume_point(373) == 125   # the built-in prompt on the tiny model
-    assert Q.default_resume_point(9) == 5       # 4 is aligned: skip it
-    assert Q.default_resume_point(383) == 129   # 128 is aligned to both ratios
+    assert qualify.default_resume_point(373) == 125   # the built-in prompt on the tiny model
+    assert qualify.default_resume_point(9) == 5       # 4 is aligned: skip it
+    assert qualify.default_resume_point(383) == 129   # 128 is aligned to both ratios
     for n in range(3, 3000):
-        p = Q.default_resume_point(n)
+        p = qualify.default_resume_point(n)
         assert p > n / 3 and p % 4 and p % 128
         assert all(q % 4 == 0 or q % 128 == 0 for q in range(n // 3 + 1, p))  # the first such p
 
 
 def test_recommend_all_exact_caps_at_band_max():
-    r = Q.recommend({w: True for w in range(1, 9)}, {w: min(w, 4) for w in range(1, 9)})
+    r = qualify.recommend({w: True for w in range(1, 9)}, {w: min(w, 4) for w in range(1, 9)})
     assert (r["largest_exact_cap"], r["largest_exact_width"], r["recommended_cap"]) == (8, 4, 4)
     assert r["recommended_bands"] is True and r["recommended_mmvq_max_ncols"] == 4
     assert r["recommended_env"] == {"DFLASH_DS4_EXACT_PREFILL_BANDS": "1", "LUCE_MMVQ_MAX_NCOLS": "4"}
-    assert Q.recommend({1: True, 2: True, 3: True})["recommended_cap"] == 3
+    assert qualify.recommend({1: True, 2: True, 3: True})["recommended_cap"] == 3
 
 
 @pytest.mark.parametrize("verdicts,largest,cap", [
@@ -45,18 +43,18 @@ def test_recommend_all_exact_caps_at_band_max():
     ({2: True, 3: True}, 0, 1),                        # no q1 repeat at all
 ])
 def test_recommend_stops_at_the_first_gap(verdicts, largest, cap):
-    r = Q.recommend(verdicts)
+    r = qualify.recommend(verdicts)
     assert (r["largest_exact_cap"], r["recommended_cap"]) == (largest, cap)
     assert r["recommended_bands"] is (cap > 1)
     assert r["recommended_env"]["DFLASH_DS4_EXACT_PREFILL_BANDS"] == ("1" if cap > 1 else "0")
 
 
 def plans(n, resume, caps, ratios=DS4):
-    return {w: B.plan(resume, 0, ratios, w) + B.plan(n - resume, resume, ratios, w) for w in caps}
+    return {w: bands.plan(resume, 0, ratios, w) + bands.plan(n - resume, resume, ratios, w) for w in caps}
 
 
 def test_coverage_of_the_default_prompt():
-    c = Q.coverage(373, DS4, 64, 125, plans(373, 125, range(1, 9)))
+    c = qualify.coverage(373, DS4, 64, 125, plans(373, 125, range(1, 9)))
     assert c["missing"] == [] and c["resume_unaligned"]
     assert [x["crossed"] for x in c["crossings"]] == [True, True, True]
     assert c["widths_with_start_band"] == [4, 5, 6, 7, 8] and 2 in c["widths_with_tail_band"]
@@ -70,13 +68,13 @@ def test_coverage_of_the_default_prompt():
     (372, 126, [2], "'tail' band"),              # every part ends on a full band
 ])
 def test_coverage_names_what_is_missing(n, resume, caps, needle):
-    c = Q.coverage(n, DS4, 64, resume, plans(n, resume, caps))
+    c = qualify.coverage(n, DS4, 64, resume, plans(n, resume, caps))
     assert any(needle in m for m in c["missing"]), c["missing"]
 
 
 def routing_trace(n, weights_at=None):
     """A synthetic routing trace of 2 layers; weights at (position, layer) nudged when given."""
-    tr = T.new_trace(n)
+    tr = trace.new_trace(n)
     for p in range(n):
         nodes = []
         for layer in range(2):
@@ -86,19 +84,19 @@ def routing_trace(n, weights_at=None):
                 w[0, 1, 0] = np.nextafter(w[0, 1, 0], np.float32(1))
             nodes += [(f"ffn_moe_topk-{layer}", "VIEW", (2, 1, 1, 1), ids.reshape(1, 1, 1, 2)),
                       (f"ffn_moe_weights_scaled-{layer}", "SCALE", (1, 2, 1, 1), w.reshape(1, 1, 2, 1))]
-        T.add_decode(tr, nodes, p, 1, strict=False)
+        trace.add_decode(tr, nodes, p, 1, strict=False)
     return tr
 
 
 def test_first_routing_diff():
     ref = routing_trace(5)
-    assert Q.routing_layers(ref) == [0, 1]
-    assert Q.first_routing_diff(ref, routing_trace(5)) is None
-    d = Q.first_routing_diff(ref, routing_trace(5, weights_at=(3, 1)))
+    assert qualify.routing_layers(ref) == [0, 1]
+    assert qualify.first_routing_diff(ref, routing_trace(5)) is None
+    d = qualify.first_routing_diff(ref, routing_trace(5, weights_at=(3, 1)))
     assert (d["position"], d["layer"], d["field"], d["problem"]) == (3, 1, "weights", "differs")
     short = routing_trace(5)
     short[4] = {}
-    assert Q.first_routing_diff(ref, short)["problem"] == "missing"
+    assert qualify.first_routing_diff(ref, short)["problem"] == "missing"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ def test_median_known_values():
     assert stats.median([3]) == 3
     assert stats.median([5, 1, 3]) == 3
     assert stats.median([4, 1, 3, 2]) == 2.5
-    assert stats.median((x for x in [10.0, 20.0])) == 15.0
+    assert stats.median(x for x in [10.0, 20.0]) == 15.0
 
 
 def test_mad_known_values():

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash import sweep as Sw
+from dflash import sweep
 from dflash.errors import UsageError
 from dflash.sweep_worker import repeat_to
 
@@ -16,24 +16,24 @@ from .test_cli import assert_one_line_error
 
 
 def test_parse_widths():
-    assert Sw.parse_widths("1,4,64,512") == (1, 4, 64, 512)
-    assert Sw.parse_widths(" 64, 4,4 ") == (1, 4, 64)  # sorted, distinct, q1 added
+    assert sweep.parse_widths("1,4,64,512") == (1, 4, 64, 512)
+    assert sweep.parse_widths(" 64, 4,4 ") == (1, 4, 64)  # sorted, distinct, q1 added
     for bad in ("", "1,x", "1,,4", "-4", "0,4", "1.5", "4;8"):
         with pytest.raises(UsageError, match="--widths"):
-            Sw.parse_widths(bad)
+            sweep.parse_widths(bad)
 
 
 def test_parse_libs():
-    assert Sw.parse_libs("exact,stock") == ("exact", "stock")
-    assert Sw.parse_libs("stock, exact,stock") == ("stock", "exact")
+    assert sweep.parse_libs("exact,stock") == ("exact", "stock")
+    assert sweep.parse_libs("stock, exact,stock") == ("stock", "exact")
     for bad, needle in (("", "empty"), ("exact,fast", "'fast'"), (" , ", "empty")):
         with pytest.raises(UsageError, match=needle):
-            Sw.parse_libs(bad)
+            sweep.parse_libs(bad)
 
 
 def test_clamp_widths():
-    assert Sw.clamp_widths((1, 4, 64), 100) == ((1, 4, 64), [])
-    widths, warnings = Sw.clamp_widths((1, 4, 64, 512), 50)
+    assert sweep.clamp_widths((1, 4, 64), 100) == ((1, 4, 64), [])
+    widths, warnings = sweep.clamp_widths((1, 4, 64, 512), 50)
     assert widths == (1, 4, 50) and "64, 512 clamped to 50" in warnings[0]
 
 
@@ -47,7 +47,7 @@ def test_repeat_to():
 
 
 def test_schedule_interleaves_rounds_and_alternates_libraries():
-    todo = Sw.schedule(("exact", "stock"), (1, 4), warmup=1, runs=2)
+    todo = sweep.schedule(("exact", "stock"), (1, 4), warmup=1, runs=2)
     assert todo[:4] == [("exact", 1, "verify", 0), ("exact", 4, "verify", 0),
                         ("stock", 1, "verify", 0), ("stock", 4, "verify", 0)]
     rounds = [todo[4 + 4 * i: 8 + 4 * i] for i in range(3)]
@@ -57,7 +57,7 @@ def test_schedule_interleaves_rounds_and_alternates_libraries():
 
 
 def sample(lib, w, kind, tps, logits="L", resp="R", rnd=0):
-    return Sw.Sample(lib, w, kind, rnd, 100 / tps, tps, logits, resp, 100 // w)
+    return sweep.Sample(lib, w, kind, rnd, 100 / tps, tps, logits, resp, 100 // w)
 
 
 def test_summary_math():
@@ -67,7 +67,7 @@ def test_summary_math():
     for i, (e1, e4, s1, s4) in enumerate([(10, 30, 20, 80), (12, 34, 22, 70), (11, 32, 18, 90)]):
         samples += [sample("exact", 1, "timed", e1, rnd=i), sample("exact", 4, "timed", e4, rnd=i),
                     sample("stock", 1, "timed", s1, rnd=i), sample("stock", 4, "timed", s4, rnd=i)]
-    rows, taxes, stock_q1 = Sw.summarize(samples, ("exact", "stock"), (1, 4))
+    rows, taxes, stock_q1 = sweep.summarize(samples, ("exact", "stock"), (1, 4))
     by = {(r.lib, r.width): r for r in rows}
     assert stock_q1 == 20
     assert by[("exact", 4)].median == 32 and by[("exact", 4)].mad == 2 and by[("exact", 4)].samples == (30, 34, 32)
@@ -76,17 +76,17 @@ def test_summary_math():
     assert by[("exact", 4)].speedup_vs_stock_q1 == pytest.approx(1.6)
     assert by[("exact", 4)].speedup_vs_lib_q1 == pytest.approx(32 / 11)
     assert [(t.width, t.ratio) for t in taxes] == [(1, pytest.approx(11 / 20)), (4, pytest.approx(32 / 80))]
-    r = Sw.SweepResult(("exact", "stock"), (1, 4), 3, 1, 1, 100, 1, "m.gguf", rows, taxes, stock_q1)
+    r = sweep.SweepResult(("exact", "stock"), (1, 4), 3, 1, 1, 100, 1, "m.gguf", rows, taxes, stock_q1)
     d = json.loads(json.dumps(r.to_json()))
     assert d["exact_library_exact"] is True and d["exactness_tax"][1]["exact_over_stock"] == pytest.approx(0.4)
     assert {"lib", "width", "median_tokens_per_second", "mad", "exact", "samples"} <= set(d["rows"][0])
-    png = Sw.plot_png(r)
+    png = sweep.plot_png(r)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_summary_without_stock_has_no_stock_speedup():
     samples = [sample("exact", w, k, 5.0 * w) for w in (1, 4) for k in ("verify", "timed")]
-    rows, taxes, stock_q1 = Sw.summarize(samples, ("exact",), (1, 4))
+    rows, taxes, stock_q1 = sweep.summarize(samples, ("exact",), (1, 4))
     assert stock_q1 is None and taxes == [] and rows[1].speedup_vs_stock_q1 is None
     assert rows[1].speedup_vs_lib_q1 == 4.0
 
@@ -112,7 +112,8 @@ def test_sweep_runs_and_its_evidence_verifies(tmp_path, tiny_models):
     assert png.read_bytes() == (ev / "sweep.png").read_bytes()
     assert json.loads((ev / "results.json").read_text())["rows"] == d["rows"]
     requests = json.loads((ev / "requests.json").read_text())["requests"]
-    assert sorted((q["kind"], q["width"]) for q in requests) == [("timed", 1), ("timed", 4), ("verify", 1), ("verify", 4)]
+    assert sorted((q["kind"], q["width"]) for q in requests) == [
+        ("timed", 1), ("timed", 4), ("verify", 1), ("verify", 4)]
     v = run_json("verify", ev, "--manifest-sha256", d["manifest_sha256"])
     assert v["ok"] is True and v["n_hash_checks"] == 2
 

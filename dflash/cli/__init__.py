@@ -5,11 +5,13 @@ Exit codes: 0 ok, 1 runtime error (or a failed check), 2 usage error, 3 no GPU d
 from __future__ import annotations
 
 import sys
+import traceback
 
 import click
 
 from ..errors import DflashError
 from ..settings import debug_flag
+from ..supervisor import Interrupted
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,8 +22,19 @@ def cli(debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import (bench_cmd, build_cmd, devices_cmd, diff_cmd, matrix_cmd, plan_cmd, prefill_cmd,
-                   qualify_cmd, sweep_cmd, tiny_cmd, verify_cmd)
+    from . import (
+        bench_cmd,
+        build_cmd,
+        devices_cmd,
+        diff_cmd,
+        matrix_cmd,
+        plan_cmd,
+        prefill_cmd,
+        qualify_cmd,
+        sweep_cmd,
+        tiny_cmd,
+        verify_cmd,
+    )
     for mod in (plan_cmd, prefill_cmd, bench_cmd, sweep_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
                 devices_cmd, tiny_cmd, build_cmd):
         for c in getattr(mod, "commands", None) or [mod.command]:
@@ -38,12 +51,13 @@ def _fail(kind: str, msg: str, code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args or debug_flag()
+    try:
+        debug = "--debug" in args or debug_flag()
+    except DflashError as e:  # a malformed DFLASH_DEBUG is a usage error like any other flag
+        _fail("usage error", str(e), e.exit_code)
     try:
         rv = cli.main(args=args, prog_name="dflash", standalone_mode=False)
-    except click.exceptions.Abort:
-        _fail("error", "aborted", 130)
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt, Interrupted):
         _fail("error", "interrupted", 130)
     except click.UsageError as e:
         _fail("usage error", e.format_message(), 2)
@@ -51,10 +65,16 @@ def main(argv: list[str] | None = None) -> None:
         _fail("error", e.format_message(), e.exit_code)
     except DflashError as e:
         if debug:
-            raise
+            traceback.print_exc()
         _fail("usage error" if e.exit_code == 2 else "error", str(e), e.exit_code)
-    except Exception as e:  # an unforeseen failure still gets one line unless --debug
+    except OSError as e:  # a read-only cache, a full disk, ...: name the file, not "internal error"
         if debug:
-            raise
+            traceback.print_exc()
+        where = e.filename if e.filename is not None else ""
+        _fail("error", f"{e.strerror or type(e).__name__}" + (f": {where}" if where else "")
+              + (f" -> {e.filename2}" if e.filename2 else ""), 1)
+    except Exception as e:  # an unforeseen failure still gets one line (after the traceback with --debug)
+        if debug:
+            traceback.print_exc()
         _fail("internal error", f"{type(e).__name__}: {e} (rerun with --debug for a traceback)", 1)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -6,16 +6,23 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .. import bench as Bn
-from .. import engine as E
-from .. import evidence, records
+from .. import bench, engine, evidence, records
 from ..errors import DflashError
+from ..results import BenchResult
 from . import output
-from .options import (chunk_option, device_option, lib_option, model_option, prompt_options, run_settings,
-                      threads_option)
+from .options import (
+    Command,
+    chunk_option,
+    device_option,
+    lib_option,
+    model_option,
+    prompt_options,
+    run_settings,
+    threads_option,
+)
 
 
-@click.command("bench")
+@click.command("bench", cls=Command)
 @model_option
 @prompt_options
 @chunk_option
@@ -37,45 +44,36 @@ def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, ru
     Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
     # the candidate arm is a band schedule whatever the env says
     s = run_settings(True, chunk, lib, model=model, weights=weights, device=device)
-    text = E.read_prompt(prompt, prompt_file)
+    text = engine.read_prompt(prompt, prompt_file)
     dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("bench")
     for w in s.warnings():
         output.warn(w)
-    eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
     tokens = eng.tokenize(text)
     with evidence.EvidenceWriter(dest, "bench") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("bench") as progress:
-            samples, widths = Bn.run(eng, tokens, warmup=warmup, runs=runs, interleave=interleave,
-                                     n_predict=n_predict, logits=logits_mode, progress=progress)
-        summary = Bn.summarize(samples)
-        options = {"chunk": s.chunk, "chunk_requested": s.chunk_requested,
-                   "band_mode": "fixed" if s.fixed else "planner", "warmup": warmup, "runs": runs,
-                   "interleave": interleave,
-                   "n_predict": n_predict, "logits": logits_mode, "lib": lib, "threads": eng.threads,
-                   "n_prompt_tokens": len(tokens), "device": device}
-        path, manifest_sha = Bn.write_evidence(writer, records.provenance(eng, None, text, tokens), options,
-                                               samples, widths, summary)
-    result = {**summary, "n_prompt_tokens": len(tokens), "threads": eng.threads, "library": lib,
-              "chunk": s.chunk, "qualification": s.qualified.to_json() if s.qualified else None,
-              "evidence_dir": str(path), "manifest_sha256": manifest_sha}
+            result = bench.bench(eng, text, tokens, writer, warmup=warmup, runs=runs, interleave=interleave,
+                                 n_predict=n_predict, logits=logits_mode, device=device, progress=progress)
     if as_json:
-        output.emit_json(result)
+        output.emit_json(result.to_json())
     else:
         show(result)
-    if not summary["hashes_identical"]:
-        raise DflashError(f"hashes differ between requests: the candidate is not exact (evidence {path})")
+    if not result.summary.hashes_identical:
+        raise DflashError(f"hashes differ between requests: the candidate is not exact "
+                          f"(evidence {result.evidence_dir})")
 
 
-def show(r: dict) -> None:
-    t = Table("arm", "median tok/s", "MAD", "n", title=f"A/B/A prefill, {r['n_prompt_tokens']} tokens, "
-              f"{r['threads']} threads, {r['library']} library")
-    for a in r["arms"]:
-        t.add_row(a["name"], f"{a['median']:.1f}", f"{a['mad']:.1f}", str(a["n"]))
+def show(r: BenchResult) -> None:
+    t = Table("arm", "median tok/s", "MAD", "n", title=f"A/B/A prefill, {r.n_prompt_tokens} tokens, "
+              f"{r.threads} threads, {r.library.flavor} library")
+    s = r.summary
+    for a in s.arms:
+        t.add_row(a.name, f"{a.median:.1f}", f"{a.mad:.1f}", str(a.n))
     o = output.out
     o.print(t)
-    o.print(f"gain vs pooled q1 median: {r['gain_percent']:+.1f}% ({r['speedup']:.2f}x); "
-            f"bracket drift A->B: {r['drift_percent']:+.1f}%")
-    ok = "[green]identical[/green]" if r["hashes_identical"] else "[red]DIFFER[/red]"
+    o.print(f"gain vs pooled q1 median: {s.gain_percent:+.1f}% ({s.speedup:.2f}x); "
+            f"bracket drift A->B: {s.drift_percent:+.1f}%")
+    ok = "[green]identical[/green]" if s.hashes_identical else "[red]DIFFER[/red]"
     o.print(f"response and logits SHA-256 across every request: {ok}")
-    o.print(f"evidence {r['evidence_dir']}", highlight=False)
-    o.print(f"manifest sha256 {r['manifest_sha256']}", highlight=False)
+    o.print(f"evidence {r.evidence_dir}", highlight=False, markup=False)
+    o.print(f"manifest sha256 {r.manifest_sha256}", highlight=False, markup=False)

@@ -5,9 +5,10 @@ import click
 
 from .. import build
 from . import output
+from .options import Command
 
 
-@click.command("build")
+@click.command("build", cls=Command)
 @click.option("--lib", "libs", type=click.Choice(build.FLAVORS), multiple=True,
               help="Flavor(s) to build [default: exact and stock].")
 @click.option("--gpu", type=click.Choice(["none", "hip"]), default="none", show_default=True,
@@ -23,4 +24,4 @@ def command(libs, gpu, as_json):
         output.emit_json(done)
     else:
         for flavor, d in done.items():
-            output.out.print(f"{flavor}: {d}", highlight=False)
+            output.out.print(f"{flavor}: {d}", highlight=False, markup=False)

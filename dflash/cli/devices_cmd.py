@@ -5,20 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
-from .. import devices as D
-from .. import kernel_selftest as K
+from .. import devices, kernel_selftest
 from ..errors import DflashError, UsageError
 from . import output
+from .options import Command
 
 
-@click.command("devices")
+@click.command("devices", cls=Command)
 @click.option("--json", "as_json", is_flag=True)
 def devices_command(as_json):
     """List the CPU and every HIP device (name, gfx arch, memory, compute units)."""
-    hip, reason = D.hip_devices()
-    devs = [D.cpu(), *hip]
+    hip, reason = devices.hip_devices()
+    devs = [devices.cpu(), *hip]
     if as_json:
         output.emit_json({"devices": [d.to_json() for d in devs], "hip_available": bool(hip),
                           "hip_reason": reason})
@@ -26,10 +27,10 @@ def devices_command(as_json):
     t = Table("id", "name", "arch", "memory", "compute units")
     for d in devs:
         mem = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "?"
-        t.add_row(d.id, d.name, d.arch, mem, str(d.compute_units))
+        t.add_row(d.id, escape(d.name), d.arch, mem, str(d.compute_units))
     output.out.print(t)
     if reason:
-        output.out.print(f"HIP: {reason}", highlight=False)
+        output.out.print(f"HIP: {reason}", highlight=False, markup=False)
 
 
 @click.group("kernels")
@@ -37,9 +38,9 @@ def kernels_group():
     """The narrow-MMVQ HIP kernels."""
 
 
-@kernels_group.command("selftest")
+@kernels_group.command("selftest", cls=Command)
 @click.option("--device", default="hip:0", show_default=True, help="HIP device to test.")
-@click.option("--build-dir", type=click.Path(path_type=Path), default=K.DEFAULT_BUILD, show_default=True,
+@click.option("--build-dir", default=str(kernel_selftest.DEFAULT_BUILD), show_default=True,
               help="Where cmake put the code objects and dflash_mmvq_host.")
 @click.option("--json", "as_json", is_flag=True)
 def selftest_command(device, build_dir, as_json):
@@ -47,12 +48,12 @@ def selftest_command(device, build_dir, as_json):
     for bit. (The routed-expert `_id` kernels are not in the self-test yet.)
 
     Exit 0 all identical, 1 a difference or failure, 3 no HIP device."""
-    ids = D.parse_device(device)
+    ids = devices.parse_device(device)
     if len(ids) != 1:
         raise UsageError(f"--device {device!r}: the kernel self-test runs on one HIP device (hip:N)")
-    dev = D.require_hip(ids[:1])[0]
+    dev = devices.require_hip(ids[:1])[0]
     with output.progress_bar("selftest") as progress:
-        rows = K.selftest(dev, ids[0], build_dir, progress)
+        rows = kernel_selftest.selftest(dev, ids[0], Path(build_dir), progress)
     ok = all(r["bit_identical"] for r in rows)
     if as_json:
         output.emit_json({"device": dev.to_json(), "results": rows, "ok": ok})

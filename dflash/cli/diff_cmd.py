@@ -2,44 +2,22 @@
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import click
+from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import bands as B
-from .. import engine as E
-from .. import llama
-from .. import prefill as P
-from .. import qualify as Q
-from .. import settings as S
-from .. import trace as T
+from .. import bands, diff, engine, settings
 from ..errors import UsageError
+from ..results import DiffResult
 from . import output
-from .options import lib_option, model_option, prompt_options, settings_from, threads_option
+from .options import Command, lib_option, model_option, prompt_options, settings_from, threads_option
 
 
-def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: P.Result, rb: P.Result,
-                d: T.TraceDiff, show: int) -> dict:
-    first_pos, n_rows, max_d = T.first_differing_row(ra.logits, rb.logits)
-    return {
-        "a": {"schedule": spec_a, "widths": B.summarize_widths(wa), "n_bands": len(wa)},
-        "b": {"schedule": spec_b, "widths": B.summarize_widths(wb), "n_bands": len(wb)},
-        "n_tokens": sum(wa),
-        "logits_identical": first_pos is None, "first_diff_position": first_pos,
-        "n_positions_differing": n_rows, "logits_max_abs_diff": max_d,
-        "nodes_identical": d.identical,
-        "identical": first_pos is None and d.identical,
-        "first_node": d.first.to_json() if d.first else None,
-        "n_compared": d.n_compared,
-        "node_positions_differing": len(d.positions_differing),
-        "differing": [x.to_json() for x in d.differing[:show]],
-        "n_differing_at_first_position": len(d.differing),
-    }
-
-
-@click.command("diff", short_help="Name the first graph node that differs between two prefill schedules.",
-               epilog="SCHEDULE is one of: " + T.SCHEDULE_HELP + ".")
+@click.command("diff", cls=Command, short_help="Name the first graph node that differs between two prefill schedules.",
+               epilog="SCHEDULE is one of: " + bands.SCHEDULE_HELP + ".")
 @model_option
 @click.option("--a", "spec_a", default="q1", show_default=True, metavar="SCHEDULE", help="Reference schedule.")
 @click.option("--b", "spec_b", default="w4", show_default=True, metavar="SCHEDULE", help="Candidate schedule.")
@@ -73,55 +51,48 @@ def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threa
             re.compile(ignore)
         except re.error as e:
             raise UsageError(f"--ignore {ignore!r} is not a regular expression: {e}") from None
-    text = E.read_prompt(prompt, prompt_file)
-    s = settings_from(True, S.MAX_BAND, lib)
-    eng = E.open_engine(s, model, threads=threads, weights=weights, log=output.note)
+    text = engine.read_prompt(prompt, prompt_file)
+    s = settings_from(True, settings.MAX_BAND, lib)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, log=output.note)
     tokens = eng.tokenize(text)[:n_tokens]
-    wa = T.parse_schedule(spec_a, len(tokens), eng.info.compress_ratios)
-    wb = T.parse_schedule(spec_b, len(tokens), eng.info.compress_ratios)
-    tap = llama.GraphTap(lambda name: True)
     with output.progress_bar("trace", enabled=not as_json) as bar:
-        ra, ta = Q.traced_request(eng, tap, tokens, B.from_widths(wa), 0, lambda d, n: bar(d, 2 * n))
-        rb, tb = Q.traced_request(eng, tap, tokens, B.from_widths(wb), 0, lambda d, n: bar(n + d, 2 * n))
-    rep = diff_report(spec_a, spec_b, wa, wb, ra, rb, T.compare(ta, tb, ignore), show)
-    rep.update(model=eng.info.path, library=lib, threads=eng.threads, ignore=ignore)
+        result = diff.run(eng, tokens, spec_a, spec_b, ignore=ignore, show=show, progress=bar)
     if as_json:
-        output.emit_json(rep)
+        output.emit_json(result.to_json())
     else:
-        _print_human(rep)
+        _print_human(result)
 
 
-def _print_human(r: dict) -> None:
+def _print_human(r: DiffResult) -> None:
     o = output.out
-    o.print(f"model     {escape(r['model'])}, library {r['library']}, {r['n_tokens']} tokens, "
-            f"{r['threads']} threads", highlight=False)
-    for side in ("a", "b"):
-        x = r[side]
-        o.print(f"{side}         {escape(x['schedule'])}: {x['n_bands']} decodes, widths "
-                f"{escape(x['widths'])}", highlight=False)
-    if r["logits_identical"]:
+    o.print(f"model     {escape(r.model)}, library {r.library.flavor}, {r.n_tokens} tokens, "
+            f"{r.threads} threads", highlight=False)
+    for name, side in (("a", r.a), ("b", r.b)):
+        o.print(f"{name}         {escape(side.schedule)}: {side.n_bands} decodes, widths "
+                f"{escape(side.widths)}", highlight=False)
+    if r.logits_identical:
         o.print("logits    [green]bit-identical[/green] at every position")
     else:
-        o.print(f"logits    [red]differ[/red] from position {r['first_diff_position']} "
-                f"({r['n_positions_differing']} positions, max |Δ| {r['logits_max_abs_diff']:.3e})")
-    f = r["first_node"]
+        o.print(f"logits    [red]differ[/red] from position {r.first_diff_position} "
+                f"({r.n_positions_differing} positions, max |Δ| {r.logits_max_abs_diff:.3e})")
+    f = r.first_node
     if f is None:
         o.print(f"nodes     [green]identical[/green]: no compared node differs "
-                f"({r['n_compared']} node rows compared)")
+                f"({r.n_compared} node rows compared)")
         return
-    o.print(f"first differing node  [bold]{escape(f['key'])}[/bold] ({f['op']}) at position "
-            f"{f['position']}: max |Δ| {_num(f['max_abs_delta'])}, {f['n_differing']}/{f['n_values']} "
-            f"values differ; {r['n_compared']} nodes compared at that position, "
-            f"{r['n_differing_at_first_position']} differ", highlight=False)
-    if r["differing"]:
-        t = Table(title=f"first {len(r['differing'])} differing nodes at position {f['position']} (graph order)",
+    o.print(f"first differing node  [bold]{escape(f.key)}[/bold] ({f.op}) at position "
+            f"{f.position}: max |Δ| {_num(f.max_abs_delta)}, {f.n_differing}/{f.n_values} "
+            f"values differ; {r.n_compared} nodes compared at that position, "
+            f"{r.n_differing_at_first_position} differ", highlight=False)
+    if r.differing:
+        t = Table(title=f"first {len(r.differing)} differing nodes at position {f.position} (graph order)",
                   title_justify="left")
         for c, j in (("node", "left"), ("op", "left"), ("max |Δ|", "right"), ("differ", "right")):
-            t.add_column(c, justify=j)
-        for x in r["differing"]:
-            t.add_row(escape(x["key"]), x["op"], _num(x["max_abs_delta"]), f"{x['n_differing']}/{x['n_values']}")
+            t.add_column(c, justify=cast(JustifyMethod, j))
+        for x in r.differing:
+            t.add_row(escape(x.key), x.op, _num(x.max_abs_delta), f"{x.n_differing}/{x.n_values}")
         o.print(t)
-    if r["logits_identical"]:
+    if r.logits_identical:
         o.print("[yellow]note:[/yellow] the logits are bit-identical, so this difference reaches no output "
                 "(masked cache cells or state rows not indexed by position; see --help)")
 

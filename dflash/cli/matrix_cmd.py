@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
-from .. import matrix as M
+from .. import engine, gguf_meta, matrix
 from ..errors import DflashError
+from ..results import MatrixResult
 from . import output
-from .options import chunk_option, run_settings
+from .options import Command, chunk_option, run_settings
 
 
-@click.command("matrix")
+@click.command("matrix", cls=Command)
 @click.option("--model", default=None, help="GGUF model [default: the built-in tiny model].")
 @click.option("--prompt-file", default=None, help="Prompt file [default: the built-in prompt].")
 @chunk_option
@@ -22,39 +24,32 @@ def command(model, prompt_file, chunk, n_predict, as_json):
     Exits 1 when any exact-library configuration differs from the reference."""
     # a bad --chunk or env flag, or no record for --chunk N > 4 on the exact CPU library, fails
     # here, not in every row (each row looks up its own library's and device's record)
-    s = run_settings(True, chunk, model=model)
-    passthrough = ["--chunk", str(s.chunk_requested), "--n-predict", str(n_predict)]
     if model:
-        passthrough += ["--model", model]
-    if prompt_file:
-        passthrough += ["--prompt-file", prompt_file]
-    cfgs, skipped = M.configurations()
-    rows = []
+        gguf_meta.read(model)  # a bad model is one error here, not a failure in every row
+    text = engine.read_prompt(None, prompt_file) if prompt_file else None  # read once (standard input too)
+    s = run_settings(True, chunk, model=model)
     with output.progress_bar("matrix") as progress:
-        for i, cfg in enumerate(cfgs):
-            rows.append(M.run_config(cfg, passthrough))
-            progress(i + 1, len(cfgs))
-    result = {**M.compare(rows), "skipped": skipped}
+        result = matrix.run(n_predict, s.chunk_requested, model=model, prompt=text, progress=progress)
     if as_json:
-        output.emit_json(result)
+        output.emit_json(result.to_json())
     else:
         show(result)
-    if not result["exact_all_equal"]:
+    if not result.exact_all_equal:
         raise DflashError("an exact-library configuration differs from the reference")
 
 
-def show(r: dict) -> None:
+def show(r: MatrixResult) -> None:
     yes = lambda b: "[green]=[/green]" if b else "[red]≠[/red]"
     t = Table("configuration", "q1 logits", "band logits", "response", "q1 = bands", "= reference",
-              title=f"fingerprints (reference: {r['reference']}, q1)")
-    for d in r["rows"]:
-        if not d["ran"]:
-            t.add_row(d["config"], "[red]failed[/red]", d["error"] or "", "", "", "")
+              title=f"fingerprints (reference: {r.reference}, q1)")
+    for d in r.rows:
+        if not d.ran or d.q1_logits_sha256 is None or d.logits_sha256 is None or d.response_sha256 is None:
+            t.add_row(d.config, "[red]failed[/red]", escape(d.error or ""), "", "", "")
             continue
-        t.add_row(d["config"], d["q1_logits_sha256"][:12], d["logits_sha256"][:12], d["response_sha256"][:12],
-                  yes(d["q1_equals_bands"]), yes(d["logits_equal_reference"] and d["response_equal_reference"]))
+        t.add_row(d.config, d.q1_logits_sha256[:12], d.logits_sha256[:12], d.response_sha256[:12],
+                  yes(d.q1_equals_bands), yes(d.logits_equal_reference and d.response_equal_reference))
     output.out.print(t)
-    for s in r["skipped"]:
-        output.out.print(f"skipped {s['config']}: {s['reason']}", highlight=False)
-    output.out.print("exact library: " + ("[green]every configuration equal[/green]" if r["exact_all_equal"]
+    for s in r.skipped:
+        output.out.print(f"skipped {s.config}: {s.reason}", highlight=False, markup=False)
+    output.out.print("exact library: " + ("[green]every configuration equal[/green]" if r.exact_all_equal
                                           else "[red]configurations differ[/red]"))

@@ -3,10 +3,25 @@ from __future__ import annotations
 
 import click
 
-from .. import qualification as Qn
-from .. import settings as S
-from .. import tiny_model
+from .. import engine, qualification, settings, tiny_model
 from . import output
+
+
+class Command(click.Command):
+    """A dflash command: an option or argument given as an empty (or all-blank) string is a usage
+    error, never a silent default."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        for p in self.params:
+            value = ctx.params.get(p.name) if p.name else None
+            if isinstance(value, str) and not value.strip():
+                name = p.opts[0] if isinstance(p, click.Option) else p.human_readable_name
+                raise click.UsageError(f"{name} is empty", ctx)
+        return rest
+
+
+MAX_THREADS, MAX_CTX = engine.MAX_THREADS, engine.MAX_CTX
 
 
 def model_option(f):
@@ -17,18 +32,25 @@ def model_option(f):
 
 
 def prompt_options(f):
-    f = click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file.")(f)
+    f = click.option("--prompt-file", default=None,
+                     help="Read the prompt from a UTF-8 file (- reads standard input).")(f)
     return click.option("--prompt", default=None,
                         help="Prompt text [default: a built-in prompt, 373 tokens on the tiny model].")(f)
 
 
 def threads_option(f):
-    return click.option("--threads", type=click.IntRange(min=1), default=None,
-                        help="CPU threads [default: min(cores, 8)].")(f)
+    return click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+                        help=f"CPU threads, 1..{MAX_THREADS} [default: min(cores, 8)].")(f)
+
+
+def ctx_option(f):
+    return click.option("--ctx", type=click.IntRange(1, MAX_CTX), default=None,
+                        help="Context size, at most the model's context length "
+                             "[default: prompt + n-predict].")(f)
 
 
 def lib_option(f):
-    return click.option("--lib", type=click.Choice(S.LIBS), default="exact", show_default=True,
+    return click.option("--lib", type=click.Choice(settings.LIBS), default="exact", show_default=True,
                         help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")(f)
 
 
@@ -37,34 +59,35 @@ def device_option(f):
                         help="cpu, hip:N, or hip:N,hip:M to split layers across two GPUs.")(f)
 
 
-CHUNK_HELP = (f"Widest band: 1..{S.MAX_BAND}, or up to {S.MAX_CHUNK} or {S.AUTO} (the widest width proven) "
+CHUNK_HELP = (f"Widest band: 1..{settings.MAX_BAND}, or up to {settings.MAX_CHUNK} or {settings.AUTO} "
+              "(the widest width proven) "
               f"with a `dflash qualify` record for this library, model and device; those imply --bands")
 
 
 def chunk_option(f):
     return click.option("--chunk", default=None, metavar="N|auto",
-                        help=f"{CHUNK_HELP} [default: {S.MAX_BAND}].")(f)
+                        help=f"{CHUNK_HELP} [default: {settings.MAX_BAND}].")(f)
 
 
 def run_options(f):
     """--chunk, --bands/--no-bands, --threads, --lib: how prefill runs."""
     f = lib_option(threads_option(f))
     f = click.option("--bands/--no-bands", default=None,
-                     help=f"Use q2..q4 bands (overrides {S.ENV_BANDS}; default: the env flag, else q1).")(f)
+                     help=f"Use q2..q4 bands (overrides {settings.ENV_BANDS}; default: the env flag, else q1).")(f)
     return chunk_option(f)
 
 
-def settings_from(bands, chunk, lib="exact") -> S.Settings:
-    return S.resolve(bands=bands, chunk=chunk, lib=lib)
+def settings_from(bands, chunk, lib="exact") -> settings.Settings:
+    return settings.resolve(bands=bands, chunk=chunk, lib=lib)
 
 
 def run_settings(bands, chunk, lib="exact", *, model=None, weights=tiny_model.DEFAULT_WEIGHTS,
-                 device="cpu") -> S.Settings:
+                 device="cpu") -> settings.Settings:
     """Settings for a run. --chunk auto or N > 4 with bands not turned off first looks up what the
     qualification record of this library, model and device proves (see dflash/qualification.py)."""
-    req = S.parse_chunk(chunk)
-    if not S.needs_record(req) or bands is False:
-        return S.resolve(bands=bands, chunk=req, lib=lib)
-    base = S.resolve(bands=bands, lib=lib)  # environment and --lib checked before any hashing
-    q = Qn.lookup(base, req, model, weights, device, warn=output.warn, note=output.note)
-    return S.resolve(bands=bands, chunk=req, lib=lib, qualified=q)
+    req = settings.parse_chunk(chunk)
+    if req is None or not settings.needs_record(req) or bands is False:
+        return settings.resolve(bands=bands, chunk=req, lib=lib)
+    base = settings.resolve(bands=bands, lib=lib)  # environment and --lib checked before any hashing
+    q = qualification.lookup(base, req, model, weights, device, warn=output.warn, note=output.note)
+    return settings.resolve(bands=bands, chunk=req, lib=lib, qualified=q)

@@ -5,10 +5,12 @@ import contextlib
 import json
 import math
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 # Not a terminal (pipes, CI logs): a wide fixed width so tables and hashes are not folded.
@@ -32,11 +34,11 @@ def emit_json(obj: Any) -> None:
 
 
 def note(msg: str) -> None:
-    err.print(f"[dim]{msg}[/dim]", highlight=False)
+    err.print(f"[dim]{escape(msg)}[/dim]", highlight=False)
 
 
 def warn(msg: str) -> None:
-    err.print(f"[yellow]warning:[/yellow] {msg}", highlight=False)
+    err.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False)
 
 
 @contextlib.contextmanager

@@ -4,12 +4,11 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from .. import bands as B
-from .. import gguf_meta
-from .. import settings as S
+from .. import gguf_meta, settings
+from ..bands import FULL, Q1, Band, fixed_bands, plan, positive_ratios, widths
 from ..errors import UsageError
 from . import output
-from .options import chunk_option, device_option, lib_option, run_settings
+from .options import Command, chunk_option, device_option, lib_option, run_settings
 
 DS4_RATIOS = "4,128"
 
@@ -26,11 +25,11 @@ def parse_ratios(text: str) -> tuple[int, ...]:
     return vals
 
 
-def band_dict(b: B.Band) -> dict:
+def band_dict(b: Band) -> dict:
     return {"start": b.start, "width": b.width, "kernel": b.kernel, "reason": b.reason, "ratio": b.ratio}
 
 
-@click.command("plan")
+@click.command("plan", cls=Command)
 @click.option("--n-tokens", type=click.IntRange(min=0), required=True, help="Tokens to prefill.")
 @click.option("--start", type=click.IntRange(min=0), default=0, show_default=True,
               help="First position (non-zero: a resumed prefill).")
@@ -50,22 +49,22 @@ def command(n_tokens, start, ratios, model, chunk, bands, lib, device, as_json):
     --device decides the width and whether bands cross compressor boundaries (no library is loaded)."""
     if ratios is not None and model is not None:
         raise UsageError("give --ratios or --model, not both")
-    if model is None and bands is not False and S.needs_record(S.parse_chunk(chunk)):
+    if model is None and bands is not False and settings.needs_record(settings.parse_chunk(chunk)):
         raise UsageError(f"--chunk {chunk} needs --model (with --lib and --device): the qualification "
                          f"record that proves a width is per library, model and device")
     s = run_settings(bands, chunk, lib, model=model, device=device)
     rs = gguf_meta.read(model).compress_ratios if model else parse_ratios(ratios or DS4_RATIOS)
     if s.fixed:  # the record proved bands of this width across compressor boundaries
-        plan = B.fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
+        chosen = fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
     else:
-        plan = B.plan(n_tokens, start, rs, s.cap, s.bands, s.mmvq_max_ncols)
+        chosen = plan(n_tokens, start, rs, s.cap, s.bands, s.mmvq_max_ncols)
     band_mode = "fixed" if s.fixed else "planner"
     if as_json:
-        output.emit_json({"n_tokens": n_tokens, "start": start, "ratios": list(B.positive_ratios(rs)),
+        output.emit_json({"n_tokens": n_tokens, "start": start, "ratios": list(positive_ratios(rs)),
                           "bands_on": s.bands, "cap": s.cap, "mmvq_max_ncols": s.mmvq_max_ncols,
                           "chunk_requested": s.chunk_requested, "band_mode": band_mode,
                           "qualification": s.qualified.to_json() if s.qualified else None,
-                          "widths": B.widths(plan), "bands": [band_dict(b) for b in plan],
+                          "widths": widths(chosen), "bands": [band_dict(b) for b in chosen],
                           "warnings": s.warnings()})
         return
     for w in s.warnings():
@@ -73,10 +72,11 @@ def command(n_tokens, start, ratios, model, chunk, bands, lib, device, as_json):
     mode = f"bands on, cap {s.cap}" if s.bands else "bands off (q1)"
     if s.qualified:
         mode += f" ({band_mode} bands proven by {s.qualified.path})"
-    output.out.print(f"{len(plan)} bands for {n_tokens} tokens from {start}; {mode}; ratios "
-                     f"{','.join(map(str, B.positive_ratios(rs))) or 'none'}; narrow ceiling {s.mmvq_max_ncols}")
-    output.out.print("widths: " + " ".join(map(str, B.widths(plan))), highlight=False)
-    shifts = [b for b in plan if b.reason not in (B.FULL, B.Q1)]
+    output.out.print(f"{len(chosen)} bands for {n_tokens} tokens from {start}; {mode}; ratios "
+                     f"{','.join(map(str, positive_ratios(rs))) or 'none'}; narrow ceiling {s.mmvq_max_ncols}",
+                     highlight=False, markup=False)
+    output.out.print("widths: " + " ".join(map(str, widths(chosen))), highlight=False, markup=False)
+    shifts = [b for b in chosen if b.reason not in (FULL, Q1)]
     if shifts:
         t = Table("start", "width", "kernel", "downshift", title="downshifts")
         for b in shifts:

@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import click
+from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import engine as E
-from .. import llama
-from .. import qualification as Qn
-from .. import qualify as Q
-from .. import records
-from .. import settings as S
+from .. import engine, qualify, records, settings
 from ..errors import UsageError
 from ..evidence import EvidenceWriter
+from ..results import QualifyResult, RunCheck
 from . import output
-from .options import device_option, lib_option, model_option, prompt_options, settings_from, threads_option
+from .options import Command, device_option, lib_option, model_option, prompt_options, settings_from, threads_option
 
 
 def parse_widths(text: str) -> list[int]:
@@ -24,16 +22,16 @@ def parse_widths(text: str) -> list[int]:
         ws = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise UsageError(f"--widths {text!r} is malformed (use e.g. 2,3,4)") from None
-    if not ws or ws[0] < 1 or ws[-1] > S.MAX_CHUNK:
-        raise UsageError(f"--widths {text!r}: widths must be in 1..{S.MAX_CHUNK}")
+    if not ws or ws[0] < 1 or ws[-1] > settings.MAX_CHUNK:
+        raise UsageError(f"--widths {text!r}: widths must be in 1..{settings.MAX_CHUNK}")
     return ws
 
 
-@click.command("qualify", short_help="Which band widths are bit-identical to q1 (per-width verdicts, a "
-                                      "recommended cap, evidence).")
+@click.command("qualify", cls=Command, short_help="Which band widths are bit-identical to q1 (per-width verdicts, a "
+               "recommended cap, evidence).")
 @model_option
 @prompt_options
-@click.option("--widths", default=",".join(map(str, Q.DEFAULT_WIDTHS)), show_default=True,
+@click.option("--widths", default=",".join(map(str, qualify.DEFAULT_WIDTHS)), show_default=True,
               help="Planner caps to qualify, comma-separated (q1 always runs).")
 @click.option("--resume-at", type=click.IntRange(min=1), default=None,
               help="Resume point of the second part [default: first p > n/3 with p % 4 != 0 and p % 128 != 0].")
@@ -41,7 +39,7 @@ def parse_widths(text: str) -> list[int]:
 @lib_option
 @click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True,
               help="Greedy response tokens after each prefill (their SHA-256 must match q1's).")
-@click.option("--evidence", "evidence_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to write [default: evidence/runs/qualify-<UTC time>-<hex>].")
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -69,33 +67,22 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries
     or to decode the widest width, or too long for the model's context."""
     ws = parse_widths(widths)
-    text = E.read_prompt(prompt, prompt_file)
-    s = settings_from(True, S.MAX_BAND, lib)
-    eng = E.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    text = engine.read_prompt(prompt, prompt_file)
+    s = settings_from(True, settings.MAX_BAND, lib)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
     if prompt is None and prompt_file is None:
-        text, tokens = Q.long_prompt(E.DEFAULT_PROMPT, eng.tokenize, max(ws))
+        text, tokens = qualify.long_prompt(engine.DEFAULT_PROMPT, eng.tokenize, max(ws))
     else:
         tokens = eng.tokenize(text)
-    ident = Qn.identity(s, eng.info.path, device)
-    target = evidence_dir or records.default_evidence_dir("qualify")
-    tap = llama.GraphTap(lambda name: Q.ROUTING_NODE.fullmatch(name) is not None)
+    target = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("qualify")
     with EvidenceWriter(target, "qualify") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("qualify", enabled=not as_json) as bar:
-            report, requests = Q.qualify(eng, tap, tokens, ws, resume_at, n_predict, bar)
-        record = Qn.Record(ident, str(eng.info.path), Qn.now_utc(),
-                           Q.verdicts(report["results"], str(writer.final_dir)))
-        writer.write_bytes(Qn.FILE_NAME, Qn.render(record))
-        report["qualification"] = {"path": str(Qn.record_path(ident)), "key": ident.key,
-                                   "evidence_file": Qn.FILE_NAME}
-        directory, sha = Q.write_evidence(writer, records.provenance(eng, None, text, tokens), report, requests)
-    stored = Qn.save(record, output.warn)
-    report["qualification"]["auto"] = dict(zip(("width", "mode"), Qn.widest_proven(stored.widths)))
-    report["qualification"]["widths"] = [v.width for v in stored.widths]
-    report.update(evidence_dir=str(directory), manifest_sha256=sha)
+            result = qualify.qualify_and_record(eng, text, tokens, writer, ws, resume_at, n_predict, device, bar,
+                                                output.warn)
     if as_json:
-        output.emit_json(report)
+        output.emit_json(result.to_json())
     else:
-        _print_human(report)
+        _print_human(result)
 
 
 def _yes(ok, good="yes", bad="NO") -> str:
@@ -104,62 +91,66 @@ def _yes(ok, good="yes", bad="NO") -> str:
     return f"[green]{good}[/green]" if ok else f"[red]{bad}[/red]"
 
 
-def _print_human(r: dict) -> None:
+def _print_human(result: QualifyResult) -> None:
     o = output.out
-    o.print(f"model     {escape(r['model'])} ({r['architecture']}), library {r['library']}, "
-            f"{r['threads']} threads", highlight=False)
-    c = r["coverage"]
+    r = result.report
+    o.print(f"model     {escape(r.model)} ({r.architecture}), library {r.library.flavor}, "
+            f"{r.threads} threads", highlight=False)
+    c = r.coverage
     crossed = ", ".join(x["what"] for x in c["crossings"] if x["crossed"]) or "none"
-    o.print(f"prompt    {r['n_tokens']} tokens, resumed at {r['resume_at']} (unaligned); crosses {crossed}; "
+    o.print(f"prompt    {r.n_tokens} tokens, resumed at {r.resume_at} (unaligned); crosses {crossed}; "
             f"start band in caps {_ws(c['widths_with_start_band'])}, tail band in caps "
-            f"{_ws(c['widths_with_tail_band'])}", highlight=False)
-    ref = r["reference"]
+            f"{_ws(c['widths_with_tail_band'])}", highlight=False, markup=False)
+    ref = r.reference
     o.print(f"q1        logits {ref['logits_sha256'][:16]}…  response {ref['response_sha256'][:16]}…  "
-            f"({r['n_predict']} tokens)", highlight=False)
+            f"({r.n_predict} tokens)", highlight=False, markup=False)
     t = Table()
     for name, j in (("cap", "right"), ("bands", "right"), ("widths used", "left"), ("exact", "left"),
                     ("logits", "left"), ("first diff", "right"), ("max |Δ|", "right"),
                     ("response", "left"), ("routing", "left"), ("fixed width", "left")):
-        t.add_column(name, justify=j)
-    for x in r["results"]:
-        sched = x["schedule"]
-        rd = x["first_routing_diff"]
-        routing = _yes(x["routing_identical"], "same", "DIFFERS")
+        t.add_column(name, justify=cast(JustifyMethod, j))
+    for x in r.results:
+        p = x.planner
+        sched = p.schedule
+        rd = p.first_routing_diff
+        routing = _yes(p.routing_identical, "same", "DIFFERS")
         if rd:
             routing += f" (pos {rd['position']}, layer {rd['layer']} {rd['field'].replace('_', ' ')})"
-        t.add_row(str(x["width"]) + (" (q1)" if x["width"] == 1 else ""), str(sched["n_bands"]),
+        t.add_row(str(x.width) + (" (q1)" if x.width == 1 else ""), str(sched["n_bands"]),
                   " ".join(f"{w}x{n}" for w, n in sched["widths"].items()),
-                  _yes(x["exact"]), _yes(x["logits_identical"], "identical", "differ"),
-                  "-" if x["first_diff_position"] is None else str(x["first_diff_position"]),
-                  f"{x['max_abs_diff']:.2e}" if x["max_abs_diff"] is not None else "nan",
-                  _yes(x["response_identical"], "same", "DIFFERS"), routing, _fixed(x.get("fixed_width")))
+                  _yes(x.exact), _yes(p.logits_identical, "identical", "differ"),
+                  "-" if x.first_diff_position is None else str(x.first_diff_position),
+                  f"{p.max_abs_diff:.2e}" if p.max_abs_diff is not None else "nan",
+                  _yes(p.response_identical, "same", "DIFFERS"), routing, _fixed(x.fixed))
     o.print(t)
-    short = [x["width"] for x in r["results"] if x["schedule"]["widths"] and max(map(int, x["schedule"]["widths"])) < x["width"]]
+    short = [x.width for x in r.results
+             if x.planner.schedule["widths"] and max(map(int, x.planner.schedule["widths"])) < x.width]
     if short:
         o.print(f"[dim]the planner cuts caps {_ws(short)} at compressor boundaries (same bands as a smaller "
                 f"cap); their 'fixed width' runs decode bands of exactly that width[/dim]", highlight=False)
-    env = " ".join(f"{k}={v}" for k, v in r["recommended_env"].items())
-    o.print(f"largest exact cap    {r['largest_exact_cap']} (widest band decoded by the exact runs: "
-            f"{r['largest_exact_width']})", highlight=False)
-    rec = f"--chunk {r['recommended_cap']}" if r["recommended_bands"] else "q1 (bands off)"
-    o.print(f"recommended          {rec}  ({env}; needs no record)", highlight=False)
-    q = r["qualification"]
-    w, mode = r["recommended_chunk"], r["recommended_band_mode"]
+    env = " ".join(f"{k}={v}" for k, v in r.recommended_env.items())
+    o.print(f"largest exact cap    {r.largest_exact_cap} (widest band decoded by the exact runs: "
+            f"{r.largest_exact_width})", highlight=False, markup=False)
+    rec = f"--chunk {r.recommended_cap}" if r.recommended_bands else "q1 (bands off)"
+    o.print(f"recommended          {rec}  ({env}; needs no record)", highlight=False, markup=False)
+    q = result.qualification
+    w, mode = r.recommended_chunk, r.recommended_band_mode
     widest = f"--chunk {w} ({mode} bands)" if w > 1 else "q1 (no wider width is exact)"
-    o.print(f"widest exact width   {widest}; with the record, --chunk auto runs {q['auto']['width']} "
-            f"(recorded widths {_ws(q['widths'])})", highlight=False)
-    o.print(f"record    {escape(q['path'])}", highlight=False)
-    if not r["all_exact"]:
+    o.print(f"widest exact width   {widest}; with the record, --chunk auto runs {q.auto_width} "
+            f"(recorded widths {_ws(list(q.widths))})", highlight=False, markup=False)
+    o.print(f"record    {escape(q.record.path)}", highlight=False)
+    if not r.all_exact:
         o.print("[yellow]not every width is exact on this build[/yellow] (qualify reports; exit code 0)")
-    o.print(f"evidence  {escape(r['evidence_dir'])}  manifest sha256 {r['manifest_sha256']}", highlight=False)
+    o.print(f"evidence  {escape(result.evidence_dir)}  manifest sha256 {result.manifest_sha256}",
+            highlight=False)
 
 
-def _fixed(f: dict | None) -> str:
+def _fixed(f: RunCheck | None) -> str:
     if f is None:
         return "[dim]-[/dim]"
-    if f["exact"]:
+    if f.exact:
         return "[green]exact[/green]"
-    pos = f["first_diff_position"]
+    pos = f.first_diff_position
     return "[red]NO[/red]" + (f" (pos {pos})" if pos is not None else "")
 
 

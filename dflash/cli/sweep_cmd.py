@@ -8,20 +8,18 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .. import engine as E
-from .. import evidence, records
-from .. import sweep as Sw
+from .. import engine, evidence, records, sweep
 from ..errors import DflashError, UsageError
 from . import output
-from .options import model_option, prompt_options, threads_option
+from .options import Command, model_option, prompt_options, threads_option
 
 
-@click.command("sweep")
+@click.command("sweep", cls=Command)
 @model_option
 @prompt_options
-@click.option("--widths", default=Sw.DEFAULT_WIDTHS, show_default=True,
+@click.option("--widths", default=sweep.DEFAULT_WIDTHS, show_default=True,
               help="Band widths, comma-separated (1, the q1 reference, is always measured).")
-@click.option("--libs", default=Sw.DEFAULT_LIBS, show_default=True, help="llama.cpp libraries, comma-separated.")
+@click.option("--libs", default=sweep.DEFAULT_LIBS, show_default=True, help="llama.cpp libraries, comma-separated.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed rounds.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed rounds first.")
 @threads_option
@@ -37,22 +35,22 @@ def command(model, weights, prompt, prompt_file, widths, libs, runs, warmup, thr
     tokens. Each width is also checked once against its library's q1 (logits of every position and
     the response, bit for bit). Exits 1 (after writing the evidence) when a width of the exact
     library differs from its q1."""
-    plan = Sw.Plan(Sw.parse_libs(libs), Sw.parse_widths(widths), runs, warmup,
-                   E.read_prompt(prompt, prompt_file), model, weights, threads)
+    plan = sweep.Plan(sweep.parse_libs(libs), sweep.parse_widths(widths), runs, warmup,
+                      engine.read_prompt(prompt, prompt_file), model, weights, threads)
     if plot_path and not Path(plot_path).absolute().parent.is_dir():
         raise UsageError(f"--plot {plot_path}: its folder does not exist")
     dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("sweep")
     with evidence.EvidenceWriter(dest, "sweep") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("sweep") as progress:
-            m = Sw.measure(plan, progress, log=output.note)
-        r = Sw.result(plan, m)
+            m = sweep.measure(plan, progress, log=output.note)
+        r = sweep.result(plan, m)
         for w in r.warnings:
             output.warn(w)
-        png = Sw.plot_png(r)
+        png = sweep.plot_png(r)
         options = {"libs": list(plan.libs), "widths_asked": list(plan.widths), "widths": list(r.widths),
                    "runs": runs, "warmup": warmup, "threads": r.threads, "model": model, "weights": weights,
-                   "verify_n_predict": Sw.VERIFY_N_PREDICT, "plot": plot_path}
-        path, manifest_sha = Sw.write_evidence(writer, sys.argv, options, m, r, png)
+                   "verify_n_predict": sweep.VERIFY_N_PREDICT, "plot": plot_path}
+        path, manifest_sha = sweep.write_evidence(writer, sys.argv, options, m, r, png)
     if plot_path:
         _write_file(plot_path, png)
     out = {**r.to_json(), "evidence_dir": str(path), "manifest_sha256": manifest_sha, "plot": plot_path}
@@ -75,7 +73,7 @@ def _write_file(path: str, data: bytes) -> None:
         raise DflashError(f"cannot write --plot {path}: {e.strerror}") from None
 
 
-def show(r: Sw.SweepResult, out: dict) -> None:
+def show(r: sweep.SweepResult, out: dict) -> None:
     yes = lambda b: "[green]yes[/green]" if b else "[red]no[/red]"
     fmt = lambda x: "-" if x is None else f"{x:.2f}x"
     t = Table("library", "width", "median tok/s", "MAD", "= its q1", "vs stock q1", "vs its q1",
@@ -87,8 +85,8 @@ def show(r: Sw.SweepResult, out: dict) -> None:
     o.print(t)
     if r.taxes:
         o.print("exactness tax (exact / stock median): "
-                + ", ".join(f"width {x.width} {x.ratio:.2f}x" for x in r.taxes), highlight=False)
+                + ", ".join(f"width {x.width} {x.ratio:.2f}x" for x in r.taxes), highlight=False, markup=False)
     if out["plot"]:
-        o.print(f"plot {out['plot']}", highlight=False)
-    o.print(f"evidence {out['evidence_dir']}", highlight=False)
-    o.print(f"manifest sha256 {out['manifest_sha256']}", highlight=False)
+        o.print(f"plot {out['plot']}", highlight=False, markup=False)
+    o.print(f"evidence {out['evidence_dir']}", highlight=False, markup=False)
+    o.print(f"manifest sha256 {out['manifest_sha256']}", highlight=False, markup=False)

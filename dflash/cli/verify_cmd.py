@@ -10,9 +10,10 @@ from rich.markup import escape
 from .. import evidence
 from ..errors import DflashError, UsageError
 from . import output
+from .options import Command
 
 
-@click.command("verify")
+@click.command("verify", cls=Command)
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--manifest-sha256", "expected", default=None, metavar="HEX",
               help="Also require manifest.json to have this SHA-256 (the one quoted when it was written).")
@@ -21,12 +22,15 @@ def command(directory: Path, expected: str | None, as_json: bool) -> None:
     """Verify the evidence directory DIRECTORY: every file's size and SHA-256, no unlisted files,
     the manifest's own checksum and its hash checks (e.g. identical responses across requests).
 
-    Exit codes: 0 verified; 1 any problem, including a missing DIRECTORY (the first problem is
-    printed as one line naming the file); 2 a malformed --manifest-sha256.
+    Only real regular files inside DIRECTORY are read: a symlink, FIFO, device or socket in it is
+    a problem. DIRECTORY itself may be a symlink.
+
+    Exit codes: 0 verified; 1 any problem (the first is printed as one line naming the file);
+    2 a missing DIRECTORY, one that is not a directory, or a malformed --manifest-sha256.
     """
     if expected is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", expected.strip()):
         raise UsageError(f"--manifest-sha256 {expected!r} is not 64 hex digits")
-    report = evidence.verify(directory, expected)
+    report = evidence.verify(evidence.resolve_dir(directory), expected)
     if as_json:
         output.emit_json(report.to_json())
         if not report.ok:

@@ -46,6 +46,18 @@ if(DFLASH_GPU STREQUAL "hip")
          -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
          -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
   endif()
+elseif(DFLASH_GPU STREQUAL "cuda")
+  # The same ggml-cuda sources for NVIDIA (nvcc). Flash-attention kernels are not built: exact GPU
+  # runs turn flash attention off. The exact flavor applies the narrow-MMVQ patch set with its
+  # CUDA switch (GGML_DFLASH_MMVQ_CUDA), so the dflash kernels take the narrow products there too.
+  string(REPLACE ";" "|" _cuda_archs "${CUDA_ARCHITECTURES}")
+  list(APPEND _llama_args -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${_cuda_archs}" -DGGML_CUDA_FA=OFF)
+  if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
+    list(APPEND _llama_args "-DCMAKE_CUDA_FLAGS=-DGGML_DFLASH_MMVQ_CUDA")
+    list(APPEND _llama_patch COMMAND ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR>
+         -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
+         -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
+  endif()
 endif()
 
 ExternalProject_Add(llama_cpp

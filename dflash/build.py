@@ -24,8 +24,9 @@ from pathlib import Path
 from .errors import DflashError
 from .paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROOT, cache_root
 
-__all__ = ["FLAVORS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT", "build_key", "build_library",
-           "cache_root", "install_dir", "is_built", "library_dir", "source_dir"]
+__all__ = ["FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
+           "build_hip_compile_only", "build_key", "build_library", "cache_root", "hip_compile_key", "hip_headers",
+           "install_dir", "is_built", "library_dir", "source_dir"]
 
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact"),
@@ -59,12 +60,31 @@ def build_key(flavor: str, gpu: str = "none") -> str:
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    for d in _PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu == "hip" else ()):
+    for d in _PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu in ("hip", "cuda") else ()):
         for p in sorted((REPO_ROOT / d).rglob("*")):
             if p.is_file():
                 h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes())
     h.update(_host_fingerprint().encode())
+    if gpu == "cuda":  # the CUDA build: its architectures and its compiler
+        h.update(f"|{cuda_architectures()}|{_nvcc_version()}".encode())
     return h.hexdigest()[:16]
+
+
+def cuda_architectures() -> str:
+    """CUDA_ARCHITECTURES for the CUDA build (default 90: H100/H200), as CMake takes it (a;b)."""
+    return os.environ.get("CUDA_ARCHITECTURES", "").strip() or "90"
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+
+
+def _nvcc_version() -> str:
+    nvcc = _nvcc()
+    if nvcc is None:
+        return "no nvcc"
+    r = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
+    return (r.stdout.strip().splitlines() or ["?"])[-1]
 
 
 def install_dir(flavor: str, gpu: str = "none") -> Path:
@@ -131,6 +151,8 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
         return library_dir(flavor, gpu)
     if shutil.which("cmake") is None:
         raise DflashError("cmake is not installed (apt-get install cmake)")
+    if gpu == "cuda" and _nvcc() is None:
+        raise DflashError("the CUDA build needs nvcc (install the CUDA toolkit, or put its bin/ on PATH)")
     from .supervisor import stage
     stage(f"build of the {flavor} llama.cpp library")
     src = source_dir(log)
@@ -145,16 +167,20 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",
                  "-DDFLASH_BUILD_KERNELS=OFF"]
+    if gpu == "cuda":
+        configure += [f"-DCUDA_ARCHITECTURES={cuda_architectures()}"]
+    env = {**os.environ, **({"CUDACXX": str(_nvcc())} if gpu == "cuda" else {})}  # how CMake finds nvcc
     build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
     log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
     try:
         for cmd in (configure, build):
             with open(work / "build.log", "a") as out:
-                r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+                r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             if r.returncode != 0:
                 keep = cache_root() / f"build-{flavor}-failed.log"
                 shutil.copyfile(work / "build.log", keep)
-                hint = "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler" if gpu == "hip" else ""
+                hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
+                        "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
                 raise DflashError(f"llama.cpp {flavor} build failed (rc={r.returncode}){hint}; log: {keep}")
         if not (staging / "lib" / "libllama.so").is_file():
             raise DflashError(f"llama.cpp {flavor} build produced no libllama.so")
@@ -165,3 +191,158 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return library_dir(flavor, gpu)
+
+
+# ---- compile-only ggml-hip (no ROCm): `dflash build --gpu hip --compile-only` ----
+# Every ggml-cuda source of the patched tree, compiled for each architecture by Debian's clang 19 in
+# HIP mode against HIP 6.2 headers from the triton wheel and Debian's ROCm device libraries, linked
+# into libggml-hip.so against ggml-base (real) and the project's link stubs for libamdhip64 and
+# libhipblas (abort if called). Proves the patched backend compiles and links; it runs only where
+# ROCm's real libraries replace the stubs. See hip_kernels/README.md, "Compiling ggml-hip without ROCm".
+
+HIP_ARCHS = ("gfx1151", "gfx1201")
+_HIP_KEY_INPUTS = ("cmake/patch_set.cmake", "hip_kernels/apply_patch.cmake", "hip_kernels/patches",
+                   "hip_kernels/ggml", "hip_kernels/include/dflash_mmvq", "hip_kernels/stubs",
+                   "hip_kernels/ggml_hip", "hip_kernels/cmake/ggml_hip_flags.cmake",
+                   "hip_kernels/cmake/hip_root.cmake", "hip_kernels/tools/fetch_hip_headers.py")
+_DEVICE_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode", "/usr/lib/aarch64-linux-gnu/amdgcn/bitcode",
+                    "/usr/lib/amdgcn/bitcode", "/opt/rocm/amdgcn/bitcode")
+_APT_CLANG = "apt-get install clang-19 lld-19 llvm-19"
+
+
+def _hip_tools() -> dict[str, str]:
+    """clang 19 and the LLVM tools of the compile-only build, or a one-line error."""
+    tools = {}
+    for name in ("clang++-19", "clang-19", "llvm-as-19"):
+        path = shutil.which(name)
+        if path is None:
+            raise DflashError(f"{name} is not installed ({_APT_CLANG}): the compile-only HIP build needs clang 19")
+        tools[name] = path
+    if shutil.which("cmake") is None:
+        raise DflashError("cmake is not installed (apt-get install cmake)")
+    return tools
+
+
+def _device_libs() -> Path:
+    for d in _DEVICE_LIB_DIRS:
+        if (Path(d) / "ocml.bc").is_file() and (Path(d) / "ockl.bc").is_file():
+            return Path(d)
+    raise DflashError("ROCm device libraries (ocml.bc, ockl.bc) not found: apt-get install rocm-device-libs")
+
+
+def hip_headers(log: Log = lambda s: None) -> Path:
+    """HIP 6.2 headers from the pinned triton wheel (pip, once, into the user cache)."""
+    script = REPO_ROOT / "hip_kernels" / "tools" / "fetch_hip_headers.py"
+    cmd = [sys.executable, str(script), "--python", sys.executable, "--cache", str(cache_root())]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    include = Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+    if include is None or not (include / "hip" / "hip_runtime.h").is_file():
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise DflashError(f"HIP headers missing: {script.name} failed: {tail[0]}")
+    return include
+
+
+def hip_compile_key(archs: tuple[str, ...] = HIP_ARCHS) -> str:
+    """Hash of every input of the compile-only ggml-hip build: the pinned source, the patch set and
+    glue, stubs, vendored headers, build scripts, the headers' version (fetch script), the device
+    libraries, the compiler and the architectures."""
+    tools = _hip_tools()
+    h = hashlib.sha256(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}|{','.join(archs)}|".encode())
+    for rel in _HIP_KEY_INPUTS:
+        p = REPO_ROOT / rel
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes())
+    for name in ("ocml.bc", "ockl.bc"):
+        h.update(name.encode() + (_device_libs() / name).read_bytes())
+    cc = subprocess.run([tools["clang++-19"], "--version"], capture_output=True, text=True).stdout
+    h.update(cc.encode())
+    return h.hexdigest()[:16]
+
+
+def _run_logged(cmd: list[str], logfile: Path, log: Log, progress: bool = False) -> int:
+    """Run cmd with its output appended to logfile; with progress, report ninja's [n/N] every 5%."""
+    with open(logfile, "a") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        last = -5
+        for line in proc.stdout:
+            out.write(line)
+            if progress and line.startswith("[") and "/" in line.split("]", 1)[0]:
+                try:
+                    done, total = (int(x) for x in line[1:].split("]", 1)[0].split("/"))
+                except ValueError:
+                    continue
+                pct = 100 * done // max(total, 1)
+                if pct >= last + 5 or done == total:
+                    last = pct
+                    log(f"ggml-hip: {done}/{total} build steps ({pct}%)")
+        return proc.wait()
+
+
+def build_hip_compile_only(archs: tuple[str, ...] = HIP_ARCHS, jobs: int | None = None,
+                           log: Log = lambda s: None) -> Path:
+    """Compile the whole patched ggml-hip (every ggml-cuda source, each of archs) without ROCm and
+    link libggml-hip.so against the stubs; returns the library. Cached under
+    ~/.cache/dflash/ggml-hip/<key>/; an interrupted build resumes in its work folder."""
+    tools = _hip_tools()
+    device_libs = _device_libs()
+    include = hip_headers(log)
+    key = hip_compile_key(archs)
+    root = cache_root() / "ggml-hip"
+    dest = root / key
+    library = dest / "lib" / "libggml-hip.so"
+    if library.is_file():
+        return library
+    src = source_dir(log)
+    work = root / f"work-{key}"
+    work.mkdir(parents=True, exist_ok=True)
+    logfile = work / "build.log"
+    tree = work / "llama.cpp"
+    if not (tree / ".dflash-patched").is_file():  # a private patched copy of what the build reads
+        shutil.rmtree(tree, ignore_errors=True)
+        tree.mkdir()
+        shutil.copy2(src / "CMakeLists.txt", tree / "CMakeLists.txt")
+        shutil.copytree(src / "ggml", tree / "ggml", symlinks=True)
+        steps = [["cmake", f"-DSRC={tree}", f"-DPATCH_DIR={REPO_ROOT / 'hip_kernels'}",
+                  "-P", str(REPO_ROOT / "hip_kernels" / "apply_patch.cmake")]]
+    else:
+        steps = []
+    steps.append(["cmake", f"-DHEADERS={include}", f"-DDEVICE_LIBS={device_libs}", f"-DLLVM_AS={tools['llvm-as-19']}",
+                  f"-DARCHS={','.join(archs)}", f"-DOUT={work / 'hip-root'}",
+                  "-P", str(REPO_ROOT / "hip_kernels" / "cmake" / "hip_root.cmake")])
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    steps.append(["cmake", "-S", str(REPO_ROOT / "hip_kernels" / "ggml_hip"), "-B", str(work / "b"), *gen,
+                  f"-DCMAKE_CXX_COMPILER={tools['clang++-19']}", f"-DCMAKE_C_COMPILER={tools['clang-19']}",
+                  f"-DDFLASH_GGML={tree / 'ggml'}", f"-DDFLASH_HIP_ROOT={work / 'hip-root'}",
+                  f"-DGPU_TARGETS={';'.join(archs)}", "-DCMAKE_BUILD_TYPE=Release"])
+    log(f"compile-only ggml-hip for {', '.join(archs)} ({LLAMA_CPP_COMMIT}, no ROCm) -> {dest}; "
+        f"about 145 sources per architecture: long, once (log: {logfile})")
+    for cmd in steps:
+        if _run_logged(cmd, logfile, log) != 0:
+            raise DflashError(f"compile-only ggml-hip: {Path(cmd[-1]).name if cmd[-2] == '-P' else 'configure'} "
+                              f"failed; log: {logfile}")
+        if cmd[-1].endswith("apply_patch.cmake"):
+            (tree / ".dflash-patched").write_text("ok\n")
+    build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
+    if _run_logged(build, logfile, log, progress=True) != 0:
+        raise DflashError(f"compile-only ggml-hip build failed; log: {logfile}")
+    staging = work / "out"
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "lib").mkdir(parents=True)
+    (staging / "stubs").mkdir()
+    b = work / "b"
+    for pattern, sub in (("lib/libggml-hip.so*", "lib"), ("ggml/src/libggml-base.so*", "lib"),
+                         ("stubs/lib*.so*", "stubs")):
+        for f in b.glob(pattern):
+            shutil.copy2(f, staging / sub / f.name, follow_symlinks=False)
+    if not (staging / "lib" / "libggml-hip.so").exists():
+        raise DflashError(f"compile-only ggml-hip build produced no libggml-hip.so; log: {logfile}")
+    shutil.copy2(logfile, staging / "build.log")
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(staging, dest)  # atomic: a half-built tree never sits at the keyed path
+    shutil.rmtree(work, ignore_errors=True)
+    return library

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import subprocess
 from dataclasses import asdict, dataclass
 
 from .errors import NoDeviceError, UsageError
@@ -80,19 +82,74 @@ def hip_devices() -> tuple[list[Device], str | None]:
     return out, None
 
 
-def parse_device(spec: str) -> list[int]:
-    """'cpu' -> []; 'hip:0' -> [0]; 'hip:0,hip:1' (layer split) -> [0, 1]."""
+GPU_KINDS = ("hip", "cuda")
+
+
+def device_kind(spec: str) -> str:
+    """'cpu', 'hip' or 'cuda' (the kind of every device `spec` names; see parse_device)."""
     spec = spec.strip().lower()
     if spec == "cpu":
+        return "cpu"
+    kinds = {part.split(":", 1)[0] for part in spec.split(",")}
+    if len(kinds) != 1 or not kinds <= set(GPU_KINDS):
+        raise UsageError(f"--device {spec!r} is malformed (use cpu, hip:N, hip:N,hip:M, cuda:N or cuda:N,cuda:M)")
+    return kinds.pop()
+
+
+def parse_device(spec: str) -> list[int]:
+    """'cpu' -> []; 'hip:0' or 'cuda:0' -> [0]; 'hip:0,hip:1' (layer split) -> [0, 1]."""
+    kind = device_kind(spec)
+    if kind == "cpu":
         return []
     ids = []
-    for part in spec.split(","):
-        if not part.startswith("hip:") or not part[4:].isdigit():
-            raise UsageError(f"--device {spec!r} is malformed (use cpu, hip:N or hip:N,hip:M)")
-        ids.append(int(part[4:]))
+    for part in spec.strip().lower().split(","):
+        number = part.partition(":")[2]
+        if not number.isdigit():
+            raise UsageError(f"--device {spec!r} is malformed (use cpu, hip:N, hip:N,hip:M, cuda:N or cuda:N,cuda:M)")
+        ids.append(int(number))
     if len(set(ids)) != len(ids):
         raise UsageError(f"--device {spec!r} names a device twice")
     return ids
+
+
+def cuda_devices() -> tuple[list[Device], str | None]:
+    """NVIDIA GPUs as nvidia-smi lists them (arch sm_XY), or ([], the reason there are none)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "no NVIDIA driver (nvidia-smi not found)"
+    try:
+        r = subprocess.run([smi, "--query-gpu=index,name,compute_cap,memory.total,multiprocessor_count",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], f"nvidia-smi failed: {e}"
+    if r.returncode != 0:
+        return [], f"nvidia-smi found no GPU ({(r.stderr or r.stdout).strip().splitlines()[:1] or ['no output']})"
+    out = []
+    for line in r.stdout.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 5 or not fields[0].isdigit():
+            continue
+        mem = int(float(fields[3]) * 2**20) if fields[3].replace(".", "", 1).isdigit() else None
+        cus = int(fields[4]) if fields[4].isdigit() else 0
+        out.append(Device(f"cuda:{fields[0]}", fields[1], "sm_" + fields[2].replace(".", ""), mem, cus))
+    return (out, None) if out else ([], "nvidia-smi lists no GPU")
+
+
+def require_gpu(spec: str) -> list[Device]:
+    """The GPUs `spec` names (hip:N or cuda:N), or NoDeviceError (exit 3) saying why they are not
+    there; [] for the CPU."""
+    kind, ids = device_kind(spec), parse_device(spec)
+    if kind == "cpu":
+        return []
+    if kind == "hip":
+        return require_hip(ids)
+    devs, reason = cuda_devices()
+    if not devs:
+        raise NoDeviceError(f"no CUDA device: {reason}")
+    missing = [i for i in ids if i >= len(devs)]
+    if missing:
+        raise NoDeviceError(f"cuda:{missing[0]} does not exist ({len(devs)} CUDA device(s) present)")
+    return [devs[i] for i in ids]
 
 
 def require_hip(ids: list[int]) -> list[Device]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bands, build, devices, gguf_meta, llama, tiny_model
+from . import bands, build, devices, gguf_meta, llama, narrow, tiny_model
 from .errors import DflashError, UsageError
 from .settings import Settings
 from .settings import resolve as resolve_settings
@@ -66,19 +66,20 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return prompt
 
 
-def library_dir(settings: Settings, log: Log = lambda s: None) -> Path:
-    """The llama.cpp library folder for the settings, built on first use."""
+def library_dir(settings: Settings, log: Log = lambda s: None, gpu: str = "none") -> Path:
+    """The llama.cpp library folder for the settings (and GPU backend), built on first use."""
     if settings.lib_dir:
         d = Path(settings.lib_dir)
         if not (d / "libllama.so").is_file():
             raise UsageError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
         return d
-    return build.build_library(settings.lib, log=log)
+    return build.build_library(settings.lib, gpu, log=log)
 
 
-def load_library(settings: Settings, log: Log = lambda s: None) -> Path:
-    """Load the settings' llama.cpp library into this process (built on first use)."""
-    lib_dir = library_dir(settings, log)
+def load_library(settings: Settings, log: Log = lambda s: None, gpu: str = "none") -> Path:
+    """Load the settings' llama.cpp library into this process (built on first use); `gpu` is the
+    backend of a --device hip:N / cuda:N run (DFLASH_LLAMA_LIB_DIR, when set, names it instead)."""
+    lib_dir = library_dir(settings, log, gpu)
     os.environ.update(settings.library_env())  # the library's narrow path sees dflash's ceiling
     llama.load_library(lib_dir, verbose=settings.verbose)
     return lib_dir
@@ -103,6 +104,17 @@ class Engine:
     lib_dir: Path
     threads: int
     device: str = "cpu"
+    gpu_archs: tuple[str, ...] = ()  # the --device GPUs' architectures (gfx1201, ...); () on the CPU
+
+    @property
+    def uncovered_weight_types(self) -> dict[str, int]:
+        """The model's matrix weight types (-> tensor count, gguf_meta's matrix_types) outside the
+        narrow path on this device (dflash/narrow.py); {} on the CPU."""
+        return narrow.uncovered_weight_types(self.info.matrix_types, self.gpu_archs, self.settings.narrow)
+
+    def narrow_warnings(self) -> list[str]:
+        w = narrow.warning(self.uncovered_weight_types, self.device, self.gpu_archs, self.settings.narrow)
+        return [w] if w else []
 
     def close(self) -> None:
         """Free the model (contexts are closed by their owners)."""
@@ -139,10 +151,17 @@ class Engine:
                              f"model's context length {limit}")
         return need
 
+    @property
+    def flash_attn(self) -> bool | None:
+        """Flash attention as llama.cpp chooses it (None: auto) on the CPU in both flavors (the
+        exact library's CPU kernel runs every query row the same way at every width,
+        cpu_kernels/README.md) and for the stock library anywhere; off for the exact library on a
+        GPU, whose flash-attention kernels are not made batch-invariant (the CUDA build leaves
+        them out)."""
+        return None if self.device == "cpu" or self.settings.lib != "exact" else False
+
     def context(self, n_ctx: int, max_band: int, eval_callback=None) -> llama.Context:
-        # flash attention as llama.cpp chooses it (auto) in both flavors: the exact library's CPU
-        # kernel runs every query row the same way at every width (cpu_kernels/README.md)
-        return llama.Context(self.model, n_ctx, self.threads, flash_attn=None,
+        return llama.Context(self.model, n_ctx, self.threads, flash_attn=self.flash_attn,
                              max_band=max_band, eval_callback=eval_callback)
 
     def plan(self, n_tokens: int, start: int = 0, cap: int | None = None,
@@ -169,8 +188,8 @@ def gpu_placement(ids: list[int]) -> dict:
     if not ids:
         return {}
     if not llama.supports_gpu():
-        raise DflashError("the loaded llama.cpp library has no GPU backend: build it with "
-                          "-DDFLASH_GPU=hip (see hip_kernels/README.md) and set DFLASH_LLAMA_LIB_DIR")
+        raise DflashError("the loaded llama.cpp library has no GPU backend: `dflash build --gpu hip|cuda` "
+                          "builds one (see hip_kernels/README.md), or set DFLASH_LLAMA_LIB_DIR to one")
     if len(ids) == 1:
         return {"n_gpu_layers": 999, "main_gpu": ids[0]}
     split = [0.0] * (max(ids) + 1)
@@ -186,15 +205,15 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     path = None if quantized else resolve_model(model_path, weights)
     info = gguf_meta.read(path) if path else None  # validates the file before llama.cpp sees it
     gpu_ids = devices.parse_device(device)
-    if gpu_ids:
-        devices.require_hip(gpu_ids)  # exit 3 with the reason, before any build or load
+    kind = devices.device_kind(device)
+    archs = tuple(d.arch for d in devices.require_gpu(device))  # exit 3 with the reason, before any build or load
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise UsageError(f"--threads {threads} is outside 1..{MAX_THREADS} (ggml's thread limit)")
-    lib_dir = load_library(settings, log)
+    lib_dir = load_library(settings, log, gpu="none" if kind == "cpu" else kind)
     if path is None:  # a K-quant built-in model: made by the library just loaded
         path = resolve_model(None, weights)
         info = gguf_meta.read(path)
     placement = gpu_placement(gpu_ids)
     model = llama.Model(path, **placement)
     assert info is not None  # read above, before or after the library's quantizer made the file
-    return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device)
+    return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device, archs)

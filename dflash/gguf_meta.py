@@ -26,6 +26,9 @@ class ModelInfo:
     context_length: int | None
     vocab_size: int | None
     weight_types: dict[str, int] = field(default_factory=dict)  # GGML type name -> tensor count
+    # the same over the tensors a matrix product can use as weights: at least 2 dimensions, not
+    # the token embedding table (read by GET_ROWS) and not an integer table (hash routing ids)
+    matrix_types: dict[str, int] = field(default_factory=dict)
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -90,6 +93,14 @@ _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, Me
                   UnicodeDecodeError, OSError)
 
 
+NOT_MATRIX_NAMES = ("token_embd.weight",)
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def _is_matrix(t) -> bool:
+    return (len(t.shape) >= 2 and t.name not in NOT_MATRIX_NAMES and t.tensor_type.name not in INTEGER_TYPES)
+
+
 def _field(reader, key):
     f = reader.fields.get(key)
     if f is None:
@@ -135,4 +146,5 @@ def _read(path: Path) -> ModelInfo:
         sliding_window=get("attention.sliding_window"), context_length=get("context_length"),
         vocab_size=vocab,
         weight_types=dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items())),
+        matrix_types=dict(sorted(Counter(t.tensor_type.name for t in reader.tensors if _is_matrix(t)).items())),
     )

@@ -56,6 +56,11 @@ def configurations(threads=(1, 2), libs=("exact", "stock")) -> tuple[list[Config
     else:
         skipped.append(Skipped("hip:0+hip:1 layer split",
                                f"needs two HIP devices, {len(hip)} present" + (f" ({reason})" if reason else "")))
+    cuda, cuda_reason = devices.cuda_devices()  # the CUDA flavor (built on first use of cuda:N)
+    if cuda:
+        cfgs += [Config(f"{d.id} {d.arch}", d.id, threads[0], "exact") for d in cuda]
+    else:
+        skipped.append(Skipped("cuda:N (each GPU)", cuda_reason or ""))
     return cfgs, skipped
 
 

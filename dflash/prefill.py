@@ -197,4 +197,5 @@ def describe(eng: Engine, r: Result, n_ctx: int, comparison: Q1Comparison | None
         prompt_sha256=r.prompt_sha256, logits_sha256=r.logits_sha256, response_tokens=tuple(r.response_tokens),
         response_tokens_sha256=r.response_tokens_sha256,
         response_text=r.response_text.decode("utf-8", errors="replace"), response_sha256=r.response_sha256,
-        warnings=tuple(s.warnings()), comparison=comparison)
+        warnings=tuple(s.warnings() + eng.narrow_warnings()), comparison=comparison,
+        uncovered_weight_types=eng.uncovered_weight_types)

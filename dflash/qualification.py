@@ -52,7 +52,7 @@ _WIDTH_KEYS = {"width", "planner_exact", "planner_widest_band", "fixed_exact", "
                "evidence_dir"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX = re.compile(r"[0-9a-f]{16,64}")
-_DEVICE = re.compile(r"cpu|hip:\d+(,hip:\d+)*")
+_DEVICE = re.compile(r"cpu|hip:\d+(,hip:\d+)*|cuda:\d+(,cuda:\d+)*")
 
 Warn = Callable[[str], None]
 
@@ -197,7 +197,7 @@ def parse(raw: bytes) -> Record:
           and _HEX64.fullmatch(model["sha256"]) is not None and isinstance(model["path"], str),
           "model is not {\"sha256\": <64 lowercase hex>, \"path\": <string>}")
     _need(isinstance(d["device"], str) and _DEVICE.fullmatch(d["device"]) is not None,
-          f"device {d['device']!r} is not cpu, hip:N or hip:N,hip:M")
+          f"device {d['device']!r} is not cpu, hip:N[,hip:M] or cuda:N[,cuda:M]")
     _need(_is_time(d["updated_utc"]), f"updated_utc {d['updated_utc']!r} is not {TIME_FORMAT}")
     _need(isinstance(d["widths"], list) and len(d["widths"]) > 0, "widths is not a non-empty list")
     widths = tuple(_verdict(i, x) for i, x in enumerate(d["widths"]))
@@ -281,8 +281,9 @@ def dir_key(d: Path) -> str:
 
 
 def device_name(device: str) -> str:
-    ids = devices.parse_device(device)
-    return ",".join(f"hip:{i}" for i in ids) if ids else "cpu"
+    """The canonical form of --device: cpu, hip:N[,hip:M] or cuda:N[,cuda:M]."""
+    kind = devices.device_kind(device)
+    return ",".join(f"{kind}:{i}" for i in devices.parse_device(device)) if kind != "cpu" else "cpu"
 
 
 def identity(settings: Settings, model_path: str | os.PathLike, device: str = "cpu") -> Identity:
@@ -290,7 +291,8 @@ def identity(settings: Settings, model_path: str | os.PathLike, device: str = "c
     if settings.lib_dir:
         source, key = "dir", dir_key(Path(settings.lib_dir))
     else:
-        source, key = "build", build.build_key(settings.lib)
+        kind = devices.device_kind(device)  # a GPU run loads that backend's build of the flavor
+        source, key = "build", build.build_key(settings.lib, "none" if kind == "cpu" else kind)
     return Identity(settings.lib, source, key, file_sha256(str(model_path)), device_name(device))
 
 

@@ -260,7 +260,8 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
         n_predict=n_predict, resume_at=resume_at, widths=tuple(ws), coverage=cov, moe=moe,
         routing_layers=tuple(routing_layers(ref.routing)),
         reference=request_record(ref, True) | {"response_tokens": ref.result.response_tokens},
-        results=tuple(results), recommended_chunk=chunk, recommended_band_mode=mode, **rec)
+        results=tuple(results), recommended_chunk=chunk, recommended_band_mode=mode,
+        uncovered_weight_types=eng.uncovered_weight_types, **rec)
     return report, {"requests": requests, "exact_requests": [q for q in requests if q["exact"]]}
 
 

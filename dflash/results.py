@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DflashError
@@ -103,6 +103,7 @@ class PrefillResult:
     response_sha256: str
     warnings: tuple[str, ...]
     comparison: Q1Comparison | None = None  # with --compare-q1
+    uncovered_weight_types: dict[str, int] = field(default_factory=dict)  # outside the narrow path (hip only)
 
     def to_json(self) -> Json:
         return {
@@ -118,6 +119,7 @@ class PrefillResult:
             "response_tokens": list(self.response_tokens), "response_tokens_sha256": self.response_tokens_sha256,
             "response_text": self.response_text, "response_sha256": self.response_sha256,
             "warnings": list(self.warnings),
+            "uncovered_weight_types": dict(self.uncovered_weight_types),
             **(self.comparison.to_json() if self.comparison is not None else _NO_COMPARISON),
         }
 
@@ -155,7 +157,8 @@ class PrefillResult:
             decode_seconds=f.number("decode_seconds"), prompt_sha256=f.text("prompt_sha256"),
             logits_sha256=f.text("logits_sha256"), response_tokens=f.integers("response_tokens"),
             response_tokens_sha256=f.text("response_tokens_sha256"), response_text=f.text("response_text"),
-            response_sha256=f.text("response_sha256"), warnings=f.texts("warnings"), comparison=comparison)
+            response_sha256=f.text("response_sha256"), warnings=f.texts("warnings"), comparison=comparison,
+            uncovered_weight_types=f.counts("uncovered_weight_types") if "uncovered_weight_types" in f.d else {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +307,7 @@ class QualifyReport:
     recommended_env: dict[str, str]
     recommended_chunk: int
     recommended_band_mode: str
+    uncovered_weight_types: dict[str, int] = field(default_factory=dict)  # outside the narrow path (hip only)
 
     @property
     def all_exact(self) -> bool:
@@ -321,6 +325,7 @@ class QualifyReport:
             "recommended_mmvq_max_ncols": self.recommended_mmvq_max_ncols,
             "recommended_env": dict(self.recommended_env), "recommended_chunk": self.recommended_chunk,
             "recommended_band_mode": self.recommended_band_mode,
+            "uncovered_weight_types": dict(self.uncovered_weight_types),
         }
 
 
@@ -538,6 +543,11 @@ class _Fields:
 
     def obj(self, key: str) -> _Fields:
         return _Fields(self.get(key, (dict,)), f"{self.what}.{key}")
+
+    def counts(self, key: str) -> dict[str, int]:
+        """An object of name -> integer."""
+        o = self.obj(key)
+        return {k: o.integer(k) for k in o.d}
 
     def opt_obj(self, key: str) -> _Fields | None:
         v = self.get(key, (dict,), nullable=True)

@@ -3,6 +3,8 @@
 Flags:
   DFLASH_DS4_EXACT_PREFILL_BANDS  1/0 (true/false, yes/no, on/off): opt in to q2..q4 bands
   LUCE_MMVQ_MAX_NCOLS             narrow-kernel ceiling; <= 0 means 8, above 8 means 8
+  DFLASH_NARROW_MMVQ              boolean, default on: 0 turns every dflash hook of a HIP build off
+                                  (ggml's stock routing, for A/B runs)
   DFLASH_LLAMA_LIB_DIR            load libllama.so from this folder instead of the built one
   DFLASH_LLAMA_VERBOSE            boolean: pass llama.cpp's log through to stderr
   DFLASH_DEBUG                    boolean: tracebacks instead of one-line errors (read by the CLI
@@ -10,8 +12,9 @@ Flags:
 Option --chunk: 1..4 (narrow bands, as the flags above say), or 5..512 and `auto`, which need a
 qualification record (dflash/qualification.py): the caller looks it up and passes what it proves
 as `qualified`; both imply bands on unless --no-bands.
-The effective LUCE_MMVQ_MAX_NCOLS is exported to the process before llama.cpp loads, so a HIP
-build's narrow kernels route exactly the widths dflash labels narrow.
+The effective LUCE_MMVQ_MAX_NCOLS and DFLASH_NARROW_MMVQ are exported to the process before
+llama.cpp loads, so a HIP build's narrow kernels route exactly the widths dflash labels narrow (or,
+switched off, none).
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ from .paths import FLAVORS
 
 ENV_BANDS = "DFLASH_DS4_EXACT_PREFILL_BANDS"
 ENV_MMVQ = "LUCE_MMVQ_MAX_NCOLS"
+ENV_NARROW = "DFLASH_NARROW_MMVQ"
 ENV_LIB_DIR = "DFLASH_LLAMA_LIB_DIR"
 ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
-ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_LIB_DIR, ENV_VERBOSE)
+ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_LIB_DIR, ENV_VERBOSE)
 
 MAX_BAND = 4               # widest band the narrow kernels serve (--chunk without a record)
 MAX_CHUNK = 512            # widest --chunk a qualification record can prove
@@ -110,6 +114,7 @@ class Settings:
     env_raw: tuple = ()               # (name, value) of every dflash flag set, as given
     chunk_requested: Chunk = MAX_BAND  # --chunk as given (AUTO or an int)
     qualified: Qualified | None = None  # the record behind a width > 4 or auto
+    narrow: bool = True               # DFLASH_NARROW_MMVQ: the HIP build's dflash hooks on
 
     @property
     def fixed(self) -> bool:
@@ -127,8 +132,9 @@ class Settings:
         return self.cap > self.mmvq_max_ncols
 
     def library_env(self) -> dict[str, str]:
-        """What llama.cpp's process must see: the effective narrow ceiling (a HIP build reads it)."""
-        return {ENV_MMVQ: str(self.mmvq_max_ncols)}
+        """What llama.cpp's process must see: the effective narrow ceiling and whether the narrow
+        hooks are on (a HIP build reads both, once)."""
+        return {ENV_MMVQ: str(self.mmvq_max_ncols), ENV_NARROW: "1" if self.narrow else "0"}
 
     def warnings(self) -> list[str]:
         if self.leaves_narrow_path and self.qualified is None:  # a record proves what it runs
@@ -190,7 +196,8 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
     if lib_dir and lib != "exact":
         raise UsageError(f"{ENV_LIB_DIR} replaces the exact library; unset it to run --lib {lib}")
     verbose = bool(env_bool(ENV_VERBOSE, env))
+    narrow = env_bool(ENV_NARROW, env) is not False  # unset or empty: on
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
-                    chunk_requested=requested, qualified=qualified)
+                    chunk_requested=requested, qualified=qualified, narrow=narrow)

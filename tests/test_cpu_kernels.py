@@ -88,6 +88,24 @@ def test_grouped_product_is_invariant(harness, type_):
     assert summary["reference_max_rel_err"] < 3e-2, summary
 
 
+@pytest.mark.parametrize("src1", ["strided", "broadcast"])
+@pytest.mark.parametrize("type_", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_K", "q6_K", "mxfp4"])
+def test_strided_and_broadcast_activations_are_invariant(harness, type_, src1):
+    """Activations with strided rows (a view) or a batch dimension one matrix is broadcast over,
+    placed as llama.cpp places the weights. Broadcast over AMX-placed weights read past the matrix
+    (heap corruption, both flavors) until AMX refused such products; the repacked Q4_0 kernels
+    differed across widths for them until the exact flavor refused them too."""
+    rc, rows, summary = check(harness["exact"], "--type", type_, "--src1", src1, "--k", 256, "--m", 64)
+    assert rc == 0 and all(x["identical"] for x in rows), summary
+    assert summary["reference_max_rel_err"] < 3e-2, summary
+
+
+@pytest.mark.parametrize("type_", ["f16", "bf16"])
+def test_stock_library_is_caught_on_broadcast_activations(harness, type_):
+    rc, rows, _ = check(harness["stock"], "--type", type_, "--src1", "broadcast", "--k", 256, "--m", 64)
+    assert rc == 1 and any(not x["identical"] for x in rows)
+
+
 @pytest.mark.parametrize("type_", TYPES)
 def test_planted_bug_is_caught(harness, type_):
     """The twin: wide products that sum K in another block order must be reported at every width."""

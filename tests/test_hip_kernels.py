@@ -2,8 +2,9 @@
 
 The host binary runs the very template body the GPU kernels run, lane by lane, in the GPU's
 reduction order (hip_kernels/include/dflash_mmvq/emulate.h). Weights are real GGUF block bytes:
-gguf.quants.quantize for Q8_0 / Q4_0 / MXFP4, and for Q4_K (which gguf can only dequantize) the
-small quantizer below, whose output gguf's dequantizer reads back.
+gguf.quants.quantize for Q8_0 / Q4_0 / Q5_0 / MXFP4, and for Q4_K / Q5_K / Q6_K (which gguf can
+only dequantize) the small quantizers below, whose output gguf's dequantizer reads back. Random
+block bytes (every bit pattern, sane scales) check the decode of each layout against gguf too.
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ from gguf import quants
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "hip_kernels"
-TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K, "mxfp4": Q.MXFP4}
-NIBBLE_TYPES = ["q4_0", "q4_k", "mxfp4"]
+TYPES = {
+    "q8_0": Q.Q8_0,
+    "q4_0": Q.Q4_0,
+    "q4_k": Q.Q4_K,
+    "mxfp4": Q.MXFP4,
+    "q5_0": Q.Q5_0,
+    "q5_k": Q.Q5_K,
+    "q6_k": Q.Q6_K,
+}
+NIBBLE_TYPES = ["q4_0", "q4_k", "mxfp4", "q5_0", "q5_k", "q6_k"]
+K_QUANTIZERS = ["q4_k", "q5_k", "q6_k"]
 ROWS, K = 23, 1280  # K = 5 Q4_K super-blocks; 160 slices for the 32-value types: ragged lanes
 REL_TOL = 1e-5  # of sum |w| |x|, as in hip_kernels/tests/host_data.h
 
@@ -40,12 +50,13 @@ def host_bins(tmp_path_factory) -> dict[str, Path]:
     return {"good": build / "dflash_mmvq_host", "planted": build / "dflash_mmvq_host_planted"}
 
 
-def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
-    """Plain min/max Q4_K quantizer: per 32 values scale and min, 6-bit codes per super-block."""
+def quantize_q4_k(rows: np.ndarray, qmax: int = 15) -> np.ndarray:
+    """Plain min/max Q4_K (qmax 15) or Q5_K (qmax 31) quantizer: per 32 values scale and min,
+    6-bit codes per super-block."""
     n = rows.shape[0]
     b = rows.reshape(-1, 8, 32).astype(np.float32)
     lo, hi = np.minimum(b.min(-1), 0.0), b.max(-1)
-    scale, mn = (hi - lo) / 15.0, -lo
+    scale, mn = (hi - lo) / qmax, -lo
     d, dmin = (scale.max(-1) / 63.0).astype(np.float16), (mn.max(-1) / 63.0).astype(np.float16)
 
     def code(v, step):
@@ -57,34 +68,86 @@ def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
     eff_scale = (d.astype(np.float32)[:, None] * sc)[..., None]
     eff_min = (dmin.astype(np.float32)[:, None] * m)[..., None]
     q = np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)
-    q = np.clip(np.round(q), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(q), 0, qmax).astype(np.uint8)
     scales = np.empty((b.shape[0], 12), np.uint8)
     scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(-1, 128)
-    blocks = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs]
+    qs = ((q[:, 0::2, :] & 15) | ((q[:, 1::2, :] & 15) << 4)).reshape(-1, 128)
+    blocks = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales]
+    if qmax == 31:  # Q5_K: qh[l] bit j = fifth bit of value l of sub-block j
+        qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+        blocks.append(qh)
+    return np.concatenate(blocks + [qs], axis=1).reshape(n, -1)
+
+
+def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
+    return quantize_q4_k(rows, qmax=31)
+
+
+def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
+    """Plain Q6_K quantizer: signed scale per 16 values (int8 codes of one half d per 256),
+    q = round(v / scale) + 32 in 0..63; layout ql[128], qh[64], scales[16], d."""
+    n = rows.shape[0]
+    b = rows.reshape(-1, 16, 16).astype(np.float32)
+    imax = np.abs(b).argmax(-1)[..., None]
+    scale = np.take_along_axis(b, imax, -1)[..., 0] / -32.0  # signed, like ggml's make_qx_quants
+    d = (np.abs(scale).max(-1) / 127.0).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), -128, 127)
+    eff = (d32 * sc)[..., None]
+    q = np.clip(np.round(np.divide(b, eff, out=np.zeros_like(b), where=eff != 0)), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [half n, group g, l]: value 128n + 32g + l
+    ql = ((q[:, :, 0:2, :] & 15) | ((q[:, :, 2:4, :] & 15) << 4)).reshape(-1, 128)
+    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
+    blocks = [ql, qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8), d.view(np.uint8).reshape(-1, 2)]
     return np.concatenate(blocks, axis=1).reshape(n, -1)
+
+
+OWN_QUANTIZERS = {"q4_k": quantize_q4_k, "q5_k": quantize_q5_k, "q6_k": quantize_q6_k}
 
 
 def make_weights(tname: str, rng: np.random.Generator) -> np.ndarray:
     rows = rng.standard_normal((ROWS, K)).astype(np.float32) * 0.05
-    if tname == "q4_k":
-        return quantize_q4_k(rows)
+    if tname in OWN_QUANTIZERS:
+        return OWN_QUANTIZERS[tname](rows)
     return quants.quantize(rows, TYPES[tname])
+
+
+def random_block_bytes(tname: str, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks: every quant bit pattern, scale fields set to sane values."""
+    qk, size = quants.GGML_QUANT_SIZES[TYPES[tname]]
+    b = rng.integers(0, 256, (ROWS * K // qk, size), dtype=np.uint8)
+    sign = np.where(rng.integers(0, 2, (len(b), 1)) == 1, -1.0, 1.0)
+
+    def half(lo: float, hi: float, sign: np.ndarray | float) -> np.ndarray:
+        return (sign * rng.uniform(lo, hi, (len(b), 1))).astype(np.float16).view(np.uint8)
+
+    if tname == "mxfp4":
+        b[:, 0] = rng.integers(112, 136, len(b))
+    elif tname in ("q4_k", "q5_k"):
+        b[:, 0:2], b[:, 2:4] = half(0.001, 0.011, 1.0), half(0.001, 0.011, 1.0)
+    elif tname == "q6_k":
+        b[:, 208:210] = half(0.0002, 0.002, sign)
+    else:
+        b[:, 0:2] = half(0.002, 0.022, sign)
+    return b.reshape(ROWS, -1)
 
 
 def weight_terms(tname: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Dequantized weights (gguf) and |each term| before cancellation, to scale the tolerance."""
     deq = quants.dequantize(w, TYPES[tname]).astype(np.float64)
-    if tname != "q4_k":
+    if tname not in ("q4_k", "q5_k"):
         return deq, np.abs(deq)
-    blocks = w.reshape(-1, 144)
+    blocks = w.reshape(-1, 144 if tname == "q4_k" else 176)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float64)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
     sc, m = quants.Q4_K.get_scale_min(blocks[:, 4:16])
-    q = (blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-    mag = np.abs(d * sc)[..., None] * q.reshape(-1, 8, 32) + np.abs(dmin * m)[..., None]
+    qs = blocks[:, 16:] if tname == "q4_k" else blocks[:, 48:]
+    q = ((qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(-1, 8, 32)
+    if tname == "q5_k":
+        q = q | (((blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+    mag = np.abs(d * sc)[..., None] * q + np.abs(dmin * m)[..., None]
     return deq, mag.reshape(ROWS, K)
 
 
@@ -124,10 +187,23 @@ def test_matches_dequantize_then_dot(host_bins, tmp_path, tname, ncols):
     assert err.max() <= REL_TOL, f"{tname} ncols={ncols}: worst relative error {err.max():.3e}"
 
 
+@pytest.mark.parametrize("ncols", [1, 3])
 @pytest.mark.parametrize("tname", list(TYPES))
-def test_columns_bit_identical_across_ncols(host_bins, tmp_path, tname):
+def test_random_block_bytes_match_gguf_dequantize(host_bins, tmp_path, tname, ncols):
+    """Every bit of each layout (signed Q6_K scales, high scale bits, fifth/sixth bits) decoded as gguf does."""
+    rng = np.random.default_rng(31 * ncols + len(tname))
+    w = random_block_bytes(tname, rng)
+    x = rng.standard_normal((ncols, K)).astype(np.float32)
+    y, xq = run_host(host_bins["good"], tname, w, x, tmp_path)
+    err = relative_errors(tname, w, y, xq)
+    assert err.max() <= REL_TOL, f"{tname} random bytes ncols={ncols}: worst relative error {err.max():.3e}"
+
+
+@pytest.mark.parametrize("random_bytes", [False, True])
+@pytest.mark.parametrize("tname", list(TYPES))
+def test_columns_bit_identical_across_ncols(host_bins, tmp_path, tname, random_bytes):
     rng = np.random.default_rng(7 + len(tname))
-    w = make_weights(tname, rng)
+    w = random_block_bytes(tname, rng) if random_bytes else make_weights(tname, rng)
     x = rng.standard_normal((4, K)).astype(np.float32)
     singles = [run_host(host_bins["good"], tname, w, x[c : c + 1], tmp_path)[0][0] for c in range(4)]
     for ncols in (2, 3, 4):
@@ -145,12 +221,16 @@ def test_planted_nibble_swap_fails_reference(host_bins, tmp_path, tname):
     assert relative_errors(tname, w, y, xq).max() > 100 * REL_TOL, "the planted nibble swap went unnoticed"
 
 
-def test_q4_k_quantizer_is_read_back_by_gguf():
+@pytest.mark.parametrize("tname", K_QUANTIZERS)
+def test_own_quantizer_is_read_back_by_gguf(tname):
     rng = np.random.default_rng(5)
     rows = rng.standard_normal((ROWS, K)).astype(np.float32)
-    back = quants.dequantize(quantize_q4_k(rows), Q.Q4_K)
+    w = OWN_QUANTIZERS[tname](rows)
+    assert w.shape == (ROWS, K // 256 * quants.GGML_QUANT_SIZES[TYPES[tname]][1])
+    back = quants.dequantize(w, TYPES[tname])
     assert back.shape == rows.shape
-    assert np.sqrt(np.mean((back - rows) ** 2)) < 0.1 * rows.std()
+    bound = {"q4_k": 0.1, "q5_k": 0.05, "q6_k": 0.03}[tname]  # 4, 5, 6 bits: error shrinks with each bit
+    assert np.sqrt(np.mean((back - rows) ** 2)) < bound * rows.std()
 
 
 def test_quantized_input_path_matches(host_bins, tmp_path):
@@ -173,7 +253,7 @@ def test_selfcheck_and_bad_arguments(host_bins):
     done = subprocess.run([str(host_bins["planted"]), "--selfcheck", "--expect-planted"], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    done = subprocess.run([str(host_bins["good"]), "--type", "q5_k", "--ncols", "1"], capture_output=True, text=True)
+    done = subprocess.run([str(host_bins["good"]), "--type", "q3_k", "--ncols", "1"], capture_output=True, text=True)
     assert done.returncode == 2 and "unknown --type" in done.stderr
 
 
@@ -198,3 +278,32 @@ def test_cuda_selftest_on_gpu(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True)
     done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+ISA_KERNELS = ",".join(f"dflash_mmvq_{t}_{k}" for t in TYPES for k in ("nc1", "nc2", "nc3", "nc4", "id"))
+
+
+@pytest.mark.skipif(shutil.which("clang++-19") is None or shutil.which("llvm-readelf-19") is None,
+                    reason="clang++-19 and llvm-19 are not installed (scripts/setup installs them)")
+@pytest.mark.parametrize("flush", [False, True])
+def test_isa_check_sees_subnormal_flushing(tmp_path, flush):
+    """The ISA check reads every kernel descriptor's FLOAT_DENORM_MODE_32: the kernels keep f32
+    subnormals (as the host emulation does); a code object built to flush them is refused."""
+    co, remarks = tmp_path / "k.hsaco", tmp_path / "k.remarks.txt"
+    cmd = ["clang++-19", "-x", "hip", "--offload-arch=gfx1201", "--cuda-device-only", "--no-gpu-bundle-output",
+           "-nogpulib", "-nogpuinc", "-O3", "-std=c++17", f"-I{KERNELS / 'include'}",
+           "-Rpass-analysis=kernel-resource-usage", "-c", str(KERNELS / "src" / "dflash_mmvq.hip"), "-o", str(co)]
+    if flush:
+        cmd.append("-fgpu-flush-denormals-to-zero")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    remarks.write_text(r.stderr)
+    check = subprocess.run(["cmake", f"-DCO={co}", "-DARCH=gfx1201", "-DREADELF=llvm-readelf-19",
+                            "-DOBJDUMP=llvm-objdump-19", f"-DREMARKS={remarks}", "-DVGPR_BUDGET=80",
+                            "-DMIN_OCCUPANCY=16", f"-DKERNELS={ISA_KERNELS}", "-P",
+                            str(KERNELS / "cmake" / "check_isa.cmake")], capture_output=True, text=True)
+    if flush:
+        assert check.returncode != 0 and "FLOAT_DENORM_MODE_32 = 0" in check.stderr
+    else:
+        assert check.returncode == 0, check.stderr[-2000:]
+        assert "f32 subnormals kept" in check.stderr

@@ -121,7 +121,7 @@ PREFILL = {
     "threads": INT, "n_ctx": INT, "device": STR, "widths": [INT], "n_prompt_tokens": INT,
     "prefill_seconds": NUM, "prefill_tokens_per_second": NUM, "decode_seconds": NUM,
     "prompt_sha256": SHA, "logits_sha256": SHA, "response_tokens": [INT], "response_tokens_sha256": SHA,
-    "response_text": STR, "response_sha256": SHA, "warnings": [STR],
+    "response_text": STR, "response_sha256": SHA, "warnings": [STR], "uncovered_weight_types": MapOf(INT),
     "q1": ({"logits_sha256": SHA, "response_sha256": SHA, "prefill_seconds": NUM,
             "prefill_tokens_per_second": NUM}, NULL),
     "identical_to_q1": (BOOL, NULL), "speedup_vs_q1": (NUM, NULL),
@@ -163,7 +163,7 @@ QUALIFY_REPORT = {
     "reference": REFERENCE, "results": [WIDTH_RESULT], "all_exact": BOOL, "largest_exact_cap": INT,
     "largest_exact_width": INT, "recommended_cap": INT, "recommended_bands": BOOL,
     "recommended_mmvq_max_ncols": INT, "recommended_env": MapOf(STR), "recommended_chunk": INT,
-    "recommended_band_mode": STR,
+    "recommended_band_mode": STR, "uncovered_weight_types": MapOf(INT),
 }
 RECORD_REF = {"path": STR, "key": STR, "evidence_file": STR}
 QUALIFY_RESULTS_JSON = QUALIFY_REPORT | {"qualification": RECORD_REF}  # the evidence's results.json
@@ -208,7 +208,7 @@ def prefill_result(compared: bool = True) -> PrefillResult:
         threads=1, n_ctx=64, device="cpu", widths=(4, 4, 1), n_prompt_tokens=9, prefill_seconds=0.5,
         prefill_tokens_per_second=18.0, decode_seconds=0.1, prompt_sha256=H[0], logits_sha256=H[1],
         response_tokens=(7, 8), response_tokens_sha256=H[2], response_text="hi", response_sha256=H[3],
-        warnings=("a warning",),
+        warnings=("a warning",), uncovered_weight_types={"Q6_K": 12, "IQ4_XS": 3},
         comparison=Q1Comparison(Q1Run(H[1], H[3], 1.0, 9.0), identical=True, speedup=2.0) if compared else None)
 
 
@@ -244,7 +244,7 @@ def qualify_result() -> QualifyResult:
                  WidthResult(run_check(2, "cap 2"), run_check(2, "fixed 2", exact=False))),
         largest_exact_cap=1, largest_exact_width=1, recommended_cap=1, recommended_bands=False,
         recommended_mmvq_max_ncols=1, recommended_env={"DFLASH_DS4_EXACT_PREFILL_BANDS": "0"},
-        recommended_chunk=1, recommended_band_mode="planner")
+        recommended_chunk=1, recommended_band_mode="planner", uncovered_weight_types={"IQ4_XS": 3})
     ref = QualificationRef(RecordRef("/q.json", "k" * 24, "qualification.json"), 1, "planner", (1, 2))
     return QualifyResult(report, ref, "/ev", H[2])
 

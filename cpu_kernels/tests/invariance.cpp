@@ -15,6 +15,12 @@
 // one block relative to the width-1 run's (the same weights, summed in another order, as a
 // kernel that walked K from another start would). The check must then report differences.
 //
+// --backend NAME runs the products on another ggml device (e.g. CUDA0, ROCm0: the GPU check in
+// scripts/gpu-check); weights then live in that device's buffer type and --placement is ignored.
+// --src1 strided gives the activations rows with a stride of two rows (a view, as DeepSeek-V4's
+// grouped output hands them over); --src1 broadcast gives them a third dimension of 2 over one
+// weight matrix (ggml broadcasts src0 over src1's ne2): column j is then the pair of rows (j, b).
+//
 // Output: one JSON object per line per width, then a summary line; exit 0 when every width is
 // invariant (or, with --plant, when every width >= 2 was caught), 1 otherwise, 2 on bad usage.
 #include "ggml.h"
@@ -37,6 +43,8 @@ struct Options {
     std::string type = "q4_0";
     std::string op = "mul_mat";
     std::string placement = "auto";
+    std::string backend = "cpu";
+    std::string src1 = "contiguous";  // contiguous, strided or broadcast
     int k = 1024;
     int m = 256;
     int threads = 2;
@@ -95,12 +103,18 @@ Options parse(int argc, char ** argv) {
         else if (a == "--seed") o.seed = (unsigned) std::atoi(val());
         else if (a == "--plant") o.plant = true;
         else if (a == "--groups") o.groups = std::atoi(val());
+        else if (a == "--backend") o.backend = val();
+        else if (a == "--src1") o.src1 = val();
         else usage(("unknown option " + a).c_str());
     }
     if (o.op != "mul_mat" && o.op != "mul_mat_id") usage("--op is mul_mat or mul_mat_id");
     if (o.placement.empty()) usage("--placement is auto, cpu or the name of an extra buffer type (AMX, CPU_REPACK)");
     if (o.k < 1 || o.m < 1 || o.threads < 1 || o.groups < 1) usage("--k, --m, --threads and --groups must be >= 1");
     if (o.groups > 1 && o.op != "mul_mat") usage("--groups needs --op mul_mat");
+    if (o.src1 != "contiguous" && o.src1 != "strided" && o.src1 != "broadcast")
+        usage("--src1 is contiguous, strided or broadcast");
+    if (o.src1 != "contiguous" && (o.op != "mul_mat" || o.groups > 1))
+        usage("--src1 strided|broadcast needs --op mul_mat without --groups");
     return o;
 }
 
@@ -149,10 +163,21 @@ struct Runner {
     bool moe;
 
     Runner(const Options & opt, ggml_type t) : o(opt), type(t), moe(opt.op == "mul_mat_id") {
-        backend = ggml_backend_cpu_init();
-        if (!backend) usage("cannot initialise the CPU backend");
-        ggml_backend_cpu_set_n_threads(backend, o.threads);
+        if (o.backend == "cpu") {
+            backend = ggml_backend_cpu_init();
+            if (!backend) usage("cannot initialise the CPU backend");
+            ggml_backend_cpu_set_n_threads(backend, o.threads);
+            return;
+        }
+        ggml_backend_load_all();
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(o.backend.c_str());
+        if (!dev) usage(("no ggml device named " + o.backend + " in this build").c_str());
+        backend = ggml_backend_dev_init(dev, nullptr);
+        if (!backend) usage(("cannot initialise the " + o.backend + " backend").c_str());
     }
+    bool on_cpu() const { return o.backend == "cpu"; }
+    // activation columns per token: 1, or 2 with --src1 broadcast (rows (j, 0) and (j, 1))
+    int64_t per_token() const { return o.src1 == "broadcast" ? 2 : 1; }
     ~Runner() { ggml_backend_free(backend); }
 
     // experts (MUL_MAT_ID), a stack of `groups` matrices, or one matrix
@@ -162,9 +187,18 @@ struct Runner {
         return n_mat() > 1 ? ggml_new_tensor_3d(ctx, type, o.k, o.m, n_mat()) : ggml_new_tensor_2d(ctx, type, o.k, o.m);
     }
 
-    // the activations of n tokens: [k, n], or [k, groups, n] permuted to [k, n, groups]
+    // the activations of n tokens: [k, n], or [k, groups, n] permuted to [k, n, groups]; strided:
+    // a view of every other row of [k, 2n]; broadcast: [k, 2, n] permuted to [k, n, 2]
     ggml_tensor * new_input(ggml_context * ctx, int n, ggml_tensor ** data) const {
         if (moe) return *data = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, o.k, 1, n);
+        if (o.src1 == "strided") {
+            *data = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, o.k, 2 * n);
+            return ggml_view_2d(ctx, *data, o.k, n, 2 * (*data)->nb[1], 0);
+        }
+        if (o.src1 == "broadcast") {
+            *data = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, o.k, 2, n);
+            return ggml_permute(ctx, *data, 0, 2, 1, 3);
+        }
         if (o.groups == 1) return *data = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, o.k, n);
         *data = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, o.k, o.groups, n);
         return ggml_permute(ctx, *data, 0, 2, 1, 3);
@@ -211,14 +245,20 @@ struct Runner {
         ggml_cgraph * gf = ggml_new_graph(actx);
         ggml_build_forward_expand(gf, out);
         ggml_backend_buffer_t abuf = ggml_backend_alloc_ctx_tensors(actx, backend);
-        ggml_backend_tensor_set(xt, x, 0, ggml_nbytes(xt));
+        if (o.src1 == "strided") {  // token j in row 2j; the odd rows hold garbage the product must not read
+            std::vector<float> rows((size_t) 2 * n * o.k, 1e30f);
+            for (int j = 0; j < n; j++) std::memcpy(&rows[(size_t) 2 * j * o.k], &x[(size_t) j * o.k], o.k * sizeof(float));
+            ggml_backend_tensor_set(xt, rows.data(), 0, ggml_nbytes(xt));
+        } else {
+            ggml_backend_tensor_set(xt, x, 0, ggml_nbytes(xt));
+        }
         if (it) ggml_backend_tensor_set(it, ids, 0, ggml_nbytes(it));
         if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) usage("graph compute failed");
         std::vector<float> raw(ggml_nelements(out));
         ggml_backend_tensor_get(out, raw.data(), 0, ggml_nbytes(out));
-        // token-major: y[token][group][row] (the grouped output is [m, n, groups])
+        // token-major: y[token][group][row] (the grouped output is [m, n, groups]; broadcast [m, n, 2])
         std::vector<float> y(raw.size());
-        const int64_t g_n = moe ? 1 : o.groups, per = raw.size() / ((size_t) n * g_n);
+        const int64_t g_n = moe ? 1 : o.groups * per_token(), per = raw.size() / ((size_t) n * g_n);
         for (int64_t t = 0; t < n; t++)
             for (int64_t g = 0; g < g_n; g++)
                 std::memcpy(&y[(t * g_n + g) * per], &raw[(g * n + t) * per], per * sizeof(float));
@@ -230,6 +270,11 @@ struct Runner {
     // The buffer type llama.cpp would give the weights: the first extra buffer type whose
     // supports_op accepts this product, else plain CPU memory.
     void choose_buft() {
+        if (!on_cpu()) {  // a GPU device: its own buffer type, as llama.cpp offloads weights
+            weight_buft = ggml_backend_get_default_buffer_type(backend);
+            weight_buft_name = ggml_backend_buft_name(weight_buft);
+            return;
+        }
         weight_buft = ggml_backend_cpu_buffer_type();
         weight_buft_name = "CPU";
         if (o.placement == "cpu") return;
@@ -279,11 +324,12 @@ int main(int argc, char ** argv) {
     const int64_t blk = ggml_blck_size(type);
     if (o.k % blk) usage("--k must be a multiple of the type's block size");
     ggml_cpu_init();
+    if (o.backend != "cpu" && o.placement != "auto") usage("--placement applies to the CPU backend only");
 
     const bool moe = o.op == "mul_mat_id";
     const int64_t n_as = moe ? o.n_expert : o.groups;  // weight matrices
     const int64_t rows = (int64_t) o.m * n_as;
-    const int64_t kx = (int64_t) o.k * (moe ? 1 : o.groups);  // activation values per token
+    const int64_t kx = (int64_t) o.k * (moe ? 1 : o.groups) * (o.src1 == "broadcast" ? 2 : 1);  // values per token
     int max_w = 1;
     for (int w : o.widths) max_w = w > max_w ? w : max_w;
 
@@ -314,8 +360,10 @@ int main(int argc, char ** argv) {
     // planted bug: the wide runs see weights and activations with K blocks rotated by one block
     const std::vector<uint8_t> wq_wide = o.plant ? rotate_blocks(type, wq, rows, o.k) : wq;
     const std::vector<float> xf_wide = o.plant ? rotate_floats(xf, max_w * (kx / o.k), o.k, blk) : xf;
+    // with --src1 broadcast one matrix serves both halves of a token: rows (e / m) index the halves
+    const int64_t w_groups = o.src1 == "broadcast" ? 1 : o.groups;
 
-    const int64_t out_per_col = (int64_t) o.m * (moe ? o.n_used : o.groups);
+    const int64_t out_per_col = (int64_t) o.m * (moe ? o.n_used : o.groups) * (o.src1 == "broadcast" ? 2 : 1);
     // width-1 reference of every column
     Runner::Weights w_main = r.upload(wq, r.weight_buft);
     Runner::Weights w_wide = o.plant ? r.upload(wq_wide, r.weight_buft) : w_main;
@@ -330,7 +378,7 @@ int main(int argc, char ** argv) {
     for (int j = 0; j < max_w; j++) {
         double scale = 0.0, err = 0.0;
         for (int64_t e = 0; e < out_per_col; e++) {
-            const int64_t row = moe ? ids[j * o.n_used + e / o.m] * o.m + e % o.m : e;
+            const int64_t row = moe ? ids[j * o.n_used + e / o.m] * o.m + e % o.m : (e / o.m % w_groups) * o.m + e % o.m;
             const float * xj = &xf[(size_t) j * kx + (moe ? 0 : (e / o.m) * o.k)];
             double dot = 0.0;
             for (int64_t i = 0; i < o.k; i++) dot += (double) wd[row * o.k + i] * xj[i];
@@ -370,18 +418,21 @@ int main(int argc, char ** argv) {
             bad_widths++;
             if (planted) caught++;
         }
-        std::printf("{\"type\": \"%s\", \"op\": \"%s\", \"buffer\": \"%s\", \"threads\": %d, \"width\": %d, "
+        std::printf("{\"type\": \"%s\", \"op\": \"%s\", \"src1\": \"%s\", \"buffer\": \"%s\", \"threads\": %d, \"width\": %d, "
                     "\"planted\": %s, \"identical\": %s, \"columns_differing\": %" PRId64 ", \"first_column\": %" PRId64
                     ", \"values_differing\": %" PRId64 ", \"max_ulp\": %u}\n",
-                    o.type.c_str(), o.op.c_str(), r.weight_buft_name.c_str(), o.threads, n, planted ? "true" : "false",
+                    o.type.c_str(), o.op.c_str(), o.src1.c_str(), r.weight_buft_name.c_str(), o.threads, n,
+                    planted ? "true" : "false",
                     cols_diff ? "false" : "true", cols_diff, first_col, values_diff, max_ulp);
     }
     Runner::release(w_main);
     if (o.plant) Runner::release(w_wide);
     const bool ok = o.plant ? caught == wide : bad_widths == 0;
-    std::printf("{\"summary\": true, \"type\": \"%s\", \"op\": \"%s\", \"buffer\": \"%s\", \"k\": %d, \"m\": %d, "
+    std::printf("{\"summary\": true, \"type\": \"%s\", \"op\": \"%s\", \"src1\": \"%s\", \"backend\": \"%s\", "
+                "\"buffer\": \"%s\", \"k\": %d, \"m\": %d, "
                 "\"widths\": %zu, \"widths_differing\": %d, \"planted\": %s, \"reference_max_rel_err\": %.3e, \"ok\": %s}\n",
-                o.type.c_str(), o.op.c_str(), r.weight_buft_name.c_str(), o.k, o.m, o.widths.size(), bad_widths,
+                o.type.c_str(), o.op.c_str(), o.src1.c_str(), o.backend.c_str(), r.weight_buft_name.c_str(), o.k, o.m,
+                o.widths.size(), bad_widths,
                 o.plant ? "true" : "false", max_rel, ok ? "true" : "false");
     return ok ? 0 : 1;
 }

@@ -11,12 +11,27 @@ from .options import Command
 @click.command("build", cls=Command)
 @click.option("--lib", "libs", type=click.Choice(build.FLAVORS), multiple=True,
               help="Flavor(s) to build [default: exact and stock].")
-@click.option("--gpu", type=click.Choice(["none", "hip"]), default="none", show_default=True,
-              help="hip: the ggml HIP backend with dflash's narrow kernels (needs ROCm >= 6.1); "
-                   "use the printed folder as DFLASH_LLAMA_LIB_DIR.")
+@click.option("--gpu", type=click.Choice(["none", "hip", "cuda"]), default="none", show_default=True,
+              help="hip: the ggml HIP backend with dflash's narrow kernels (needs ROCm >= 6.1); use the "
+                   "printed folder as DFLASH_LLAMA_LIB_DIR. cuda: the same ggml-cuda sources for NVIDIA "
+                   "(needs the CUDA toolkit; CUDA_ARCHITECTURES, default 90; flash-attention kernels left "
+                   "out); --device cuda:N loads it.")
+@click.option("--compile-only", is_flag=True,
+              help="With --gpu hip: compile the whole patched ggml-hip for gfx1151 and gfx1201 without ROCm "
+                   "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "
+                   "library (JSON key 'library'). Proves it builds; it runs only with ROCm's real libraries.")
 @click.option("--json", "as_json", is_flag=True)
-def command(libs, gpu, as_json):
+def command(libs, gpu, compile_only, as_json):
     """Build the exact and stock llama.cpp libraries (cached, keyed by their inputs)."""
+    if compile_only:
+        if gpu != "hip" or libs:
+            raise click.UsageError("--compile-only goes with --gpu hip and no --lib")
+        lib = build.build_hip_compile_only(log=output.note)
+        if as_json:
+            output.emit_json({"library": str(lib), "archs": list(build.HIP_ARCHS)})
+        else:
+            output.out.print(f"library: {lib}", highlight=False, markup=False)
+        return
     done = {}
     for flavor in libs or build.FLAVORS:
         done[flavor] = str(build.build_library(flavor, gpu, log=output.note))

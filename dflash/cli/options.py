@@ -56,7 +56,8 @@ def lib_option(f):
 
 def device_option(f):
     return click.option("--device", default="cpu", show_default=True,
-                        help="cpu, hip:N, or hip:N,hip:M to split layers across two GPUs.")(f)
+                        help="cpu; hip:N or cuda:N (every layer on that GPU); hip:N,hip:M or cuda:N,cuda:M "
+                             "(layers split across two GPUs).")(f)
 
 
 CHUNK_HELP = (f"Widest band: 1..{settings.MAX_BAND}, or up to {settings.MAX_CHUNK} or {settings.AUTO} "

@@ -38,6 +38,8 @@ def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_p
     for w in s.warnings():
         output.warn(w)
     eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    for w in eng.narrow_warnings():
+        output.warn(w)
     tokens = eng.tokenize(text)
     with output.progress_bar("prefill", enabled=len(tokens) >= 256) as progress:
         result = prefill.run_request(eng, tokens, n_predict=n_predict, resume_at=resume_at, logits=logits_mode, ctx=ctx,

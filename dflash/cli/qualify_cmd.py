@@ -70,6 +70,8 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     text = engine.read_prompt(prompt, prompt_file)
     s = settings_from(True, settings.MAX_BAND, lib)
     eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    for w in eng.narrow_warnings():
+        output.warn(w)
     if prompt is None and prompt_file is None:
         text, tokens = qualify.long_prompt(engine.DEFAULT_PROMPT, eng.tokenize, max(ws))
     else:

@@ -6,6 +6,7 @@
 #   compile_co.cmake keeps). Prints a resource table (VGPRs, SGPRs, scratch, LDS, occupancy).
 #   cmake -DCO=<hsaco> -DARCH=gfx1201 -DREADELF=llvm-readelf-19 -DOBJDUMP=llvm-objdump-19
 #         -DREMARKS=<remarks.txt> -DVGPR_BUDGET=80 -DMIN_OCCUPANCY=16 -DKERNELS=a,b,c -P check_isa.cmake
+#   (KERNELS adds to the family list below; every kernel of either list is checked)
 foreach(v CO ARCH READELF OBJDUMP REMARKS VGPR_BUDGET MIN_OCCUPANCY KERNELS)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "check_isa.cmake: -D${v}=... is required")
@@ -15,6 +16,15 @@ if(NOT EXISTS "${CO}")
   message(FATAL_ERROR "code object ${CO} does not exist (build first)")
 endif()
 string(REPLACE "," ";" kernels "${KERNELS}")
+# The family's kernels, whatever the caller lists: dflash_mmvq_<type>_{nc1..nc4,id} for every
+# weight type src/dflash_mmvq.hip instantiates. A missing one fails the check below.
+set(family_types q8_0 q4_0 q4_k mxfp4 q5_0 q5_k q6_k)
+foreach(t IN LISTS family_types)
+  foreach(kind nc1 nc2 nc3 nc4 id)
+    list(APPEND kernels dflash_mmvq_${t}_${kind})
+  endforeach()
+endforeach()
+list(REMOVE_DUPLICATES kernels)
 
 function(run out)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e)
@@ -24,7 +34,8 @@ function(run out)
   set(${out} "${o}" PARENT_SCOPE)
 endfunction()
 
-run(symbols "${READELF}" --symbols "${CO}")
+run(symbols "${READELF}" --symbols --wide "${CO}")
+run(sections "${READELF}" --sections --wide "${CO}")
 run(notes "${READELF}" --notes "${CO}")
 run(disasm "${OBJDUMP}" -d "--mcpu=${ARCH}" "${CO}")
 file(READ "${REMARKS}" remarks)
@@ -127,10 +138,42 @@ foreach(k IN LISTS kernels)
   endif()
 endforeach()
 
+# Subnormals: every kernel descriptor's FLOAT_DENORM_MODE_32 (compute_pgm_rsrc1 bits 16-17, the
+# descriptor's bytes 48..51) must be 3, flush none, as the host emulation computes; -ffast-math
+# keeps it, -fgpu-flush-denormals-to-zero would make it 0. The descriptor <kernel>.kd is read
+# from the file: offset = symbol value - section address + section file offset.
+string(REPLACE "\n" ";" section_lines "${sections}")
+foreach(line IN LISTS section_lines)
+  if(line MATCHES "\\[ *([0-9]+)\\] +[^ ]+ +[A-Z_]+ +([0-9a-f]+) ([0-9a-f]+) ")
+    set(sec_addr_${CMAKE_MATCH_1} ${CMAKE_MATCH_2})
+    set(sec_off_${CMAKE_MATCH_1} ${CMAKE_MATCH_3})
+  endif()
+endforeach()
+string(REPLACE "\n" ";" symbol_lines "${symbols}")
+foreach(k IN LISTS kernels)
+  set(found FALSE)
+  foreach(line IN LISTS symbol_lines)
+    if(line MATCHES ": ([0-9a-f]+) +64 +OBJECT +[A-Z]+ +[A-Z]+ +([0-9]+) ${k}\\.kd$")
+      set(ndx ${CMAKE_MATCH_2})
+      math(EXPR off "0x${CMAKE_MATCH_1} - 0x${sec_addr_${ndx}} + 0x${sec_off_${ndx}} + 48")
+      file(READ "${CO}" rsrc1 OFFSET ${off} LIMIT 4 HEX)
+      string(SUBSTRING "${rsrc1}" 4 2 byte2)
+      math(EXPR denorm32 "0x${byte2} & 3")
+      if(NOT denorm32 EQUAL 3)
+        string(APPEND errors "${k}: FLOAT_DENORM_MODE_32 = ${denorm32}, expected 3 (no flush to zero)\n")
+      endif()
+      set(found TRUE)
+    endif()
+  endforeach()
+  if(NOT found)
+    string(APPEND errors "${k}: no kernel descriptor ${k}.kd in the symbol table\n")
+  endif()
+endforeach()
+
 message("${ARCH}: ${CO}\n${table}")
 if(errors)
   message(FATAL_ERROR "${ARCH}: ISA checks failed:\n${errors}")
 endif()
 list(LENGTH kernels n)
-message("${ARCH}: ${n} kernels ok (v_dot4_i32_iu8, no float FMA, no scratch, wave32, "
+message("${ARCH}: ${n} kernels ok (v_dot4_i32_iu8, no float FMA, no scratch, wave32, f32 subnormals kept, "
         "VGPRs <= ${VGPR_BUDGET}, occupancy >= ${MIN_OCCUPANCY})")

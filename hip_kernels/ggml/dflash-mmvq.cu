@@ -2,11 +2,14 @@
 #include "dflash-mmvq.cuh"
 
 #if defined(GGML_DFLASH_MMVQ)
+#include "mmvf.cuh"
 #include "quantize.cuh"
 #include "dflash_mmvq/body.h"
 
+#include <cctype>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 
 static_assert((int) dfmmvq::Q8_0 == (int) GGML_TYPE_Q8_0 && (int) dfmmvq::Q4_0 == (int) GGML_TYPE_Q4_0 &&
               (int) dfmmvq::Q4_K == (int) GGML_TYPE_Q4_K && (int) dfmmvq::MXFP4 == (int) GGML_TYPE_MXFP4,
@@ -14,6 +17,7 @@ static_assert((int) dfmmvq::Q8_0 == (int) GGML_TYPE_Q8_0 && (int) dfmmvq::Q4_0 =
 static_assert(sizeof(dfmmvq::q8_1_block) == sizeof(block_q8_1) && QK8_1 == 32, "q8_1 layout");
 
 static constexpr int DFLASH_MMVQ_WIDEST = 8;  // == MMVQ_MAX_BATCH_SIZE
+static_assert(DFLASH_MMVQ_WIDEST <= MMVF_MAX_BATCH_SIZE, "MMVF takes every width routed to it");
 
 template <int T, int NC>
 DF_LAUNCH_BOUNDS(dfmmvq::kThreads)
@@ -47,11 +51,75 @@ int dflash_mmvq_max_ncols() {
     return n;
 }
 
+bool dflash_narrow_enabled() {
+    static const bool on = [] {
+        const char * s = getenv("DFLASH_NARROW_MMVQ");
+        if (s == nullptr) {
+            return true;
+        }
+        char v[8] = {0};  // trimmed, lower case; longer than "false" cannot be a boolean
+        size_t n = 0;
+        const char * p = s;
+        while (*p == ' ' || *p == '\t' || *p == '\n') {
+            ++p;
+        }
+        for (; *p != '\0' && n < sizeof(v) - 1; ++p, ++n) {
+            v[n] = (char) tolower((unsigned char) *p);
+        }
+        while (n > 0 && (v[n - 1] == ' ' || v[n - 1] == '\t' || v[n - 1] == '\n')) {
+            v[--n] = '\0';
+        }
+        if (*p == '\0' && n == 0) {
+            return true;  // set but empty: as if unset (dflash's Python side reads it the same way)
+        }
+        if (*p == '\0') {
+            for (const char * t : {"1", "true", "yes", "on"}) {
+                if (strcmp(v, t) == 0) {
+                    return true;
+                }
+            }
+            for (const char * f : {"0", "false", "no", "off"}) {
+                if (strcmp(v, f) == 0) {
+                    GGML_LOG_INFO("dflash_mmvq: DFLASH_NARROW_MMVQ=%s, every dflash hook is off\n", s);
+                    return false;
+                }
+            }
+        }
+        GGML_LOG_WARN("dflash_mmvq: DFLASH_NARROW_MMVQ='%s' is not a boolean (1/0, true/false, yes/no, on/off), "
+                      "using on\n", s);
+        return true;
+    }();
+    return on;
+}
+
+// F32/F16/BF16 weights: ggml's own MMVF, which is batch-invariant (see dflash-mmvq.cuh)
+static bool dflash_mmvf_type(ggml_type type) {
+    return type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16;
+}
+
+// What ggml_cuda_mul_mat_vec_f asserts and ggml_cuda_should_use_mmvf checks, except the width:
+// even rows, float2/half2 aligned strides, unit element strides, broadcastable channels/samples.
+static bool dflash_mmvf_layout_ok(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * dst) {
+    const size_t ts = ggml_type_size(src0->type);
+    if (src0->ne[0] % 2 != 0 || src0->nb[0] != ts || src1->nb[0] != sizeof(float) || dst->nb[0] != sizeof(float)) {
+        return false;
+    }
+    for (int i = 1; i < GGML_MAX_DIMS; ++i) {
+        if (src0->nb[i] % (2*ts) != 0 || src1->nb[i] % (2*sizeof(float)) != 0) {
+            return false;
+        }
+    }
+    return src0->ne[1] <= INT_MAX && dst->ne[3] <= 65535 && src1->ne[3] % src0->ne[3] == 0 && dst->ne[3] == src1->ne[3];
+}
+
 static bool dflash_mmvq_type_ok(ggml_type type) {
     switch (type) {
         case GGML_TYPE_Q8_0:
         case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q5_0:
         case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q5_K:
+        case GGML_TYPE_Q6_K:
         case GGML_TYPE_MXFP4:
             return true;
         default:
@@ -68,6 +136,15 @@ static bool dflash_mmvq_arch_ok(int cc) {
 }
 
 bool dflash_mmvq_use_mul_mat(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * dst, int cc) {
+    if (!dflash_narrow_enabled()) {
+        return false;
+    }
+    if (dflash_mmvf_type(src0->type)) {
+        const int64_t ncols = src1->ne[1];
+        return src1->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 && dflash_mmvq_arch_ok(cc) && ncols >= 1 &&
+               ncols <= dflash_mmvq_max_ncols() && dflash_mmvf_layout_ok(src0, src1, dst) &&
+               src1->ne[2] % src0->ne[2] == 0 && dst->ne[2] <= 65535;
+    }
     if (!dflash_mmvq_type_ok(src0->type) || src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32 ||
         !dflash_mmvq_arch_ok(cc)) {
         return false;
@@ -82,13 +159,23 @@ bool dflash_mmvq_use_mul_mat_id(const ggml_tensor * dst, int cc) {
     const ggml_tensor * src0 = dst->src[0];
     const ggml_tensor * src1 = dst->src[1];
     const ggml_tensor * ids  = dst->src[2];
-    if (!dflash_mmvq_type_ok(src0->type) || src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32 ||
-        ids == nullptr || ids->type != GGML_TYPE_I32 || !dflash_mmvq_arch_ok(cc)) {
+    if (!dflash_narrow_enabled() || src1->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32 || ids == nullptr ||
+        ids->type != GGML_TYPE_I32 || ids->nb[0] != sizeof(int32_t) || !dflash_mmvq_arch_ok(cc)) {
         return false;
     }
+    // One ncols = 1 product per (slot, token) in both kernels (ours and MMVF's multi-token path), so
+    // the token count has no kernel limit: the same ceiling as dense products.
     const int64_t ntokens = dst->ne[2];
-    const int64_t widest  = std::min(4, dflash_mmvq_max_ncols());
-    return ntokens >= 1 && ntokens <= widest && dst->ne[3] == 1 && src1->ne[3] == 1 && src0->ne[3] == 1 &&
+    if (ntokens < 1 || ntokens > dflash_mmvq_max_ncols()) {
+        return false;
+    }
+    if (dflash_mmvf_type(src0->type)) {  // MMVF: src1->ne[2] == tokens <= MMVF_MAX_BATCH_SIZE
+        return dflash_mmvf_layout_ok(src0, src1, dst) && src1->ne[2] == ntokens && dst->ne[1] <= 65535;
+    }
+    if (!dflash_mmvq_type_ok(src0->type)) {
+        return false;
+    }
+    return dst->ne[3] == 1 && src1->ne[3] == 1 && src0->ne[3] == 1 &&
            src0->nb[0] == ggml_type_size(src0->type) && src1->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
            ids->nb[0] == sizeof(int32_t) && src0->ne[1] <= INT_MAX && dst->ne[1] <= 65535;
 }
@@ -123,6 +210,9 @@ static void dflash_mmvq_launch(int ncols, const dfmmvq::dense_args * dense, cons
     }
 }
 
+static_assert((int) dfmmvq::Q5_0 == (int) GGML_TYPE_Q5_0 && (int) dfmmvq::Q5_K == (int) GGML_TYPE_Q5_K &&
+              (int) dfmmvq::Q6_K == (int) GGML_TYPE_Q6_K, "dflash weight types are ggml_type values");
+
 static void dflash_mmvq_launch_any(ggml_type type, int ncols, const dfmmvq::dense_args * dense,
                                    const dfmmvq::id_args * id, dim3 grid, cudaStream_t stream) {
     switch (type) {
@@ -130,12 +220,20 @@ static void dflash_mmvq_launch_any(ggml_type type, int ncols, const dfmmvq::dens
         case GGML_TYPE_Q4_0:  dflash_mmvq_launch<dfmmvq::Q4_0>(ncols, dense, id, grid, stream);  break;
         case GGML_TYPE_Q4_K:  dflash_mmvq_launch<dfmmvq::Q4_K>(ncols, dense, id, grid, stream);  break;
         case GGML_TYPE_MXFP4: dflash_mmvq_launch<dfmmvq::MXFP4>(ncols, dense, id, grid, stream); break;
+        case GGML_TYPE_Q5_0:  dflash_mmvq_launch<dfmmvq::Q5_0>(ncols, dense, id, grid, stream);  break;
+        case GGML_TYPE_Q5_K:  dflash_mmvq_launch<dfmmvq::Q5_K>(ncols, dense, id, grid, stream);  break;
+        case GGML_TYPE_Q6_K:  dflash_mmvq_launch<dfmmvq::Q6_K>(ncols, dense, id, grid, stream);  break;
         default: GGML_ABORT("dflash mmvq: unsupported type %s", ggml_type_name(type));
     }
 }
 
 void dflash_mmvq_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          const ggml_tensor * ids, ggml_tensor * dst) {
+    if (dflash_mmvf_type(src0->type)) {  // never fused: dflash_mmvq_use vetoes the MMVF fusion paths
+        ggml_cuda_mul_mat_vec_f(ctx, src0, src1, ids, dst);
+        return;
+    }
+
     GGML_TENSOR_BINARY_OP_LOCALS;
     cudaStream_t stream = ctx.stream();
 

@@ -31,7 +31,11 @@ typedef void (*id_fn)(const void*, const void*, float*, const int32_t*, int32_t,
 #define DF_ROW(t) {dflash_mmvq_##t##_nc1, dflash_mmvq_##t##_nc2, dflash_mmvq_##t##_nc3, dflash_mmvq_##t##_nc4}
 static dense_fn dense_kernel(int type, int nc) {
     static const dense_fn q8[4] = DF_ROW(q8_0), q4[4] = DF_ROW(q4_0), qk[4] = DF_ROW(q4_k), mx[4] = DF_ROW(mxfp4);
+    static const dense_fn q5[4] = DF_ROW(q5_0), q5k[4] = DF_ROW(q5_k), q6k[4] = DF_ROW(q6_k);
     switch (type) {
+        case dfmmvq::Q5_0: return q5[nc - 1];
+        case dfmmvq::Q5_K: return q5k[nc - 1];
+        case dfmmvq::Q6_K: return q6k[nc - 1];
         case dfmmvq::Q8_0: return q8[nc - 1];
         case dfmmvq::Q4_0: return q4[nc - 1];
         case dfmmvq::Q4_K: return qk[nc - 1];
@@ -45,6 +49,9 @@ static id_fn id_kernel(int type) {
         case dfmmvq::Q4_0: return dflash_mmvq_q4_0_id;
         case dfmmvq::Q4_K: return dflash_mmvq_q4_k_id;
         case dfmmvq::MXFP4: return dflash_mmvq_mxfp4_id;
+        case dfmmvq::Q5_0: return dflash_mmvq_q5_0_id;
+        case dfmmvq::Q5_K: return dflash_mmvq_q5_k_id;
+        case dfmmvq::Q6_K: return dflash_mmvq_q6_k_id;
         default: std::fprintf(stderr, "unsupported type %d\n", type); std::abort();
     }
 }

@@ -25,6 +25,9 @@ inline const type_info kTypes[] = {
     {dfmmvq::Q4_0, "q4_0", 32, 18},
     {dfmmvq::Q4_K, "q4_k", 256, 144},
     {dfmmvq::MXFP4, "mxfp4", 32, 17},
+    {dfmmvq::Q5_0, "q5_0", 32, 22},
+    {dfmmvq::Q5_K, "q5_k", 256, 176},
+    {dfmmvq::Q6_K, "q6_k", 256, 210},
 };
 inline const type_info* find_type(const std::string& name) {
     for (const type_info& t : kTypes) {
@@ -103,7 +106,9 @@ inline std::vector<uint8_t> random_weights(const type_info& t, int nrows, int nb
         const uint16_t d = float_to_half(sgn * (float)(0.002 + 0.02 * g.uniform()));
         switch (t.type) {
             case dfmmvq::MXFP4: blk[0] = (uint8_t)(112 + g.next() % 24); break;
-            case dfmmvq::Q4_K: {
+            case dfmmvq::Q6_K: std::memcpy(blk + 208, &d, 2); break;  // int8 scales stay random
+            case dfmmvq::Q4_K:
+            case dfmmvq::Q5_K: {
                 const uint16_t dd = float_to_half((float)(0.001 + 0.01 * g.uniform()));
                 const uint16_t dm = float_to_half((float)(0.001 + 0.01 * g.uniform()));
                 std::memcpy(blk, &dd, 2);
@@ -136,14 +141,35 @@ inline void dequant_block(int type, const uint8_t* b, double* val, double* mag) 
             val[j] = d * (q4 ? lo - 8 : kv[lo]);
             val[j + 16] = d * (q4 ? hi - 8 : kv[hi]);
         }
-    } else {  // Q4_K
+    } else if (type == dfmmvq::Q5_0) {
+        const double d = dfmmvq::half_to_float(h0);
+        const uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+        for (int j = 0; j < 16; ++j) {
+            val[j] = d * ((int)((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+            val[j + 16] = d * ((int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+        }
+    } else if (type == dfmmvq::Q6_K) {  // ql[128], qh[64], int8 scales[16], half d
+        uint16_t hd;
+        std::memcpy(&hd, b + 208, 2);
+        const double d = dfmmvq::half_to_float(hd);
+        for (int v = 0; v < 256; ++v) {
+            const int n = v / 128, g = (v % 128) / 32, l = v % 32;
+            const int ql = (b[64 * n + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15;
+            const int qh = (b[128 + 32 * n + l] >> (2 * g)) & 3;
+            val[v] = d * (int8_t)b[192 + v / 16] * ((ql | (qh << 4)) - 32);
+            mag[v] = std::fabs(val[v]);
+        }
+        return;
+    } else {  // Q4_K, Q5_K (same scales; Q5_K adds qh[32] before the nibbles: bit j of qh[i])
+        const bool q5 = type == dfmmvq::Q5_K;
         const double d = dfmmvq::half_to_float(h0), dmin = dfmmvq::half_to_float(h1);
         const uint8_t* sc = b + 4;
+        const uint8_t* qs = b + (q5 ? 48 : 16);
         for (int j = 0; j < 8; ++j) {
             const int s = j < 4 ? (sc[j] & 63) : ((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4));
             const int m = j < 4 ? (sc[j + 4] & 63) : ((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
             for (int i = 0; i < 32; ++i) {
-                const int q = (b[16 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15;
+                const int q = ((qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 15) | (q5 ? ((b[16 + i] >> j) & 1) << 4 : 0);
                 val[32 * j + i] = d * s * q - dmin * m;
                 mag[32 * j + i] = std::fabs(d * s * q) + std::fabs(dmin * m);
             }

@@ -115,7 +115,7 @@ int usage(const char* msg) {
 int run_files(std::map<std::string, std::string>& a) {
     const type_info* t = find_type(a["type"]);
     if (!t) {
-        return usage(("unknown --type '" + a["type"] + "' (q8_0, q4_0, q4_k, mxfp4)").c_str());
+        return usage(("unknown --type '" + a["type"] + "' (q8_0, q4_0, q4_k, mxfp4, q5_0, q5_k, q6_k)").c_str());
     }
     for (const char* key : {"ncols", "rows", "cols", "w", "y"}) {
         if (!a.count(key)) {

@@ -71,6 +71,9 @@ inline void emulate_dense_any(int type, int ncols, const uint8_t* w, const q8_1_
         case Q4_0:  emulate_dense_ncols<Q4_0>(ncols, w, x, y, nblocks, nrows, w_row, x_col, y_col); break;
         case Q4_K:  emulate_dense_ncols<Q4_K>(ncols, w, x, y, nblocks, nrows, w_row, x_col, y_col); break;
         case MXFP4: emulate_dense_ncols<MXFP4>(ncols, w, x, y, nblocks, nrows, w_row, x_col, y_col); break;
+        case Q5_0:  emulate_dense_ncols<Q5_0>(ncols, w, x, y, nblocks, nrows, w_row, x_col, y_col); break;
+        case Q5_K:  emulate_dense_ncols<Q5_K>(ncols, w, x, y, nblocks, nrows, w_row, x_col, y_col); break;
+        case Q6_K:  emulate_dense_ncols<Q6_K>(ncols, w, x, y, nblocks, nrows, w_row, x_col, y_col); break;
         default: std::fprintf(stderr, "dflash_mmvq: unsupported weight type %d\n", type); std::abort();
     }
 }

@@ -25,7 +25,7 @@
 
 #if defined(__HIP_DEVICE_COMPILE__)
 #define DF_AMD_DEVICE 1
-#elif defined(__CUDA_ARCH__)
+#elif defined(__CUDA_ARCH__) && !defined(__HIP__)  // ggml's hip.h defines __CUDA_ARCH__ in both HIP passes
 #define DF_NV_DEVICE 1
 #endif
 

@@ -1,0 +1,31 @@
+"""--device parsing (cpu, hip:N, cuda:N, two-GPU layer splits) and the missing-GPU exit code."""
+import pytest
+
+from dflash import devices, qualification
+from dflash.errors import UsageError
+
+from .conftest import run_dflash
+
+
+@pytest.mark.parametrize("spec,kind,ids", [("cpu", "cpu", []), ("hip:0", "hip", [0]), ("HIP:1,hip:0", "hip", [1, 0]),
+                                           ("cuda:0", "cuda", [0]), ("cuda:0,cuda:1", "cuda", [0, 1])])
+def test_device_specs(spec, kind, ids):
+    assert devices.device_kind(spec) == kind and devices.parse_device(spec) == ids
+    assert qualification.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
+
+
+@pytest.mark.parametrize("spec", ["gpu:0", "hip:0,cuda:1", "cuda:x", "cuda:0,cuda:0", "hip:", "cpu,hip:0",
+                                  "cuda", "hip"])
+def test_bad_device_specs_are_usage_errors(spec):
+    with pytest.raises(UsageError):
+        devices.parse_device(spec)
+
+
+def test_a_missing_cuda_device_exits_3():
+    found, _ = devices.cuda_devices()
+    if found:
+        pytest.skip(f"this machine has a CUDA device ({found[0].name}): the missing-device path cannot run")
+    r = run_dflash("prefill", "--device", "cuda:0", "--threads", "1")
+    assert r.returncode == 3
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0]

@@ -181,6 +181,8 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
                 shutil.copyfile(work / "build.log", keep)
                 hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
                         "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
+                if gpu == "cuda" and "CUDA::cublas" in (work / "build.log").read_text(errors="replace"):
+                    hint = "; the CUDA toolkit here has no cuBLAS, which ggml's CUDA backend links (install libcublas)"
                 raise DflashError(f"llama.cpp {flavor} build failed (rc={r.returncode}){hint}; log: {keep}")
         if not (staging / "lib" / "libllama.so").is_file():
             raise DflashError(f"llama.cpp {flavor} build produced no libllama.so")

@@ -22,6 +22,7 @@ if(NOT EXISTS "${DEVICE_LIBS}/ocml.bc" OR NOT EXISTS "${DEVICE_LIBS}/ockl.bc")
 endif()
 
 file(MAKE_DIRECTORY "${OUT}/share/hip" "${OUT}/amdgcn/bitcode")
+file(REAL_PATH "${HEADERS}" HEADERS)  # through any symlinked cache (the tests' own) to the files
 file(CREATE_LINK "${HEADERS}" "${OUT}/include" SYMBOLIC)
 
 file(STRINGS "${HEADERS}/hip/hip_version.h" vlines REGEX "#define HIP_VERSION_(MAJOR|MINOR|PATCH) ")

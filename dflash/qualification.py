@@ -13,7 +13,9 @@ qualification.json. `--chunk auto` and `--chunk N` (N > 4) read it:
                  "fixed_exact": true, "fixed_widest_band": 8, "evidence_dir": "/path/ev"}, ...]}
 
 library.source is "build" (key: dflash.build.build_key of the flavor) or "dir" (key: SHA-256
-over the libllama*/libggml* files of DFLASH_LLAMA_LIB_DIR). `key` is derived from the flavor,
+over the libllama*/libggml* files of DFLASH_LLAMA_LIB_DIR); for a GPU device the library key also
+covers the routing flags DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS (they decide which kernels
+run there; on the CPU they change nothing). `key` is derived from the flavor,
 library key, model SHA-256 and device. Per width: the planner run at that cap and the fixed-width
 run (bands of exactly that width across compressor boundaries) matched q1 or not, and the widest
 band each really decoded (width 1: both are the q1 repeat).
@@ -288,11 +290,14 @@ def device_name(device: str) -> str:
 
 def identity(settings: Settings, model_path: str | os.PathLike, device: str = "cpu") -> Identity:
     from .records import file_sha256  # records imports the engine; keep this module light
+    kind = devices.device_kind(device)
     if settings.lib_dir:
         source, key = "dir", dir_key(Path(settings.lib_dir))
-    else:
-        kind = devices.device_kind(device)  # a GPU run loads that backend's build of the flavor
+    else:  # a GPU run loads that backend's build of the flavor
         source, key = "build", build.build_key(settings.lib, "none" if kind == "cpu" else kind)
+    if kind != "cpu":  # on a GPU the library's routing flags decide which kernels run: part of the key
+        routing = f"{key}|narrow={int(settings.narrow)}|ncols={settings.mmvq_max_ncols}"
+        key = hashlib.sha256(routing.encode()).hexdigest()[:16]
     return Identity(settings.lib, source, key, file_sha256(str(model_path)), device_name(device))
 
 

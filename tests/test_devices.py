@@ -29,3 +29,18 @@ def test_a_missing_cuda_device_exits_3():
     assert r.returncode == 3
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0]
+
+
+def test_gpu_qualification_records_are_keyed_by_the_routing_flags(tiny_models):
+    """On a GPU, DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS decide which kernels run: a record made
+    with the hooks off must not vouch for a run with them on. On the CPU neither changes anything."""
+    from dflash import settings
+    model = tiny_models["f32"]
+    on = settings.resolve({}, bands=True)
+    off = settings.resolve({"DFLASH_NARROW_MMVQ": "0"}, bands=True)
+    wider = settings.resolve({"LUCE_MMVQ_MAX_NCOLS": "8"}, bands=True)
+    keys = {name: qualification.identity(s, model, "hip:0").key for name, s in
+            (("on", on), ("off", off), ("wider", wider))}
+    assert len(set(keys.values())) == 3
+    assert qualification.identity(on, model, "cpu").key == qualification.identity(off, model, "cpu").key
+    assert qualification.identity(on, model, "cuda:0").key != qualification.identity(on, model, "hip:0").key

@@ -141,23 +141,19 @@ def require_gpu(spec: str) -> list[Device]:
     kind, ids = device_kind(spec), parse_device(spec)
     if kind == "cpu":
         return []
-    if kind == "hip":
-        return require_hip(ids)
-    devs, reason = cuda_devices()
-    if not devs:
-        raise NoDeviceError(f"no CUDA device: {reason}")
-    missing = [i for i in ids if i >= len(devs)]
-    if missing:
-        raise NoDeviceError(f"cuda:{missing[0]} does not exist ({len(devs)} CUDA device(s) present)")
-    return [devs[i] for i in ids]
+    return require_hip(ids) if kind == "hip" else _pick("cuda", "CUDA", cuda_devices(), ids)
 
 
 def require_hip(ids: list[int]) -> list[Device]:
     """The named HIP devices, or NoDeviceError (exit 3) saying why they are not there."""
-    devs, reason = hip_devices()
+    return _pick("hip", "HIP", hip_devices(), ids)
+
+
+def _pick(kind: str, label: str, found: tuple[list[Device], str | None], ids: list[int]) -> list[Device]:
+    devs, reason = found
     if not devs:
-        raise NoDeviceError(f"no HIP device: {reason}")
+        raise NoDeviceError(f"no {label} device: {reason}")
     missing = [i for i in ids if i >= len(devs)]
     if missing:
-        raise NoDeviceError(f"hip:{missing[0]} does not exist ({len(devs)} HIP device(s) present)")
+        raise NoDeviceError(f"{kind}:{missing[0]} does not exist ({len(devs)} {label} device(s) present)")
     return [devs[i] for i in ids]

@@ -237,7 +237,8 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a folder by path (a folder: so a rename inside it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -365,14 +366,14 @@ class EvidenceWriter:
         raw = render_manifest({**body, "self_sha256": canonical_sha256(body)})
         _write_synced(self.tmp_dir / MANIFEST, raw)
         for sub in {rel.split("/")[0] for rel in self._files if "/" in rel}:
-            _fsync(self.tmp_dir / sub)
-        _fsync(self.tmp_dir)
+            fsync_path(self.tmp_dir / sub)
+        fsync_path(self.tmp_dir)
         if os.path.lexists(self.final_dir):  # os.rename would replace an empty directory
             raise EvidenceError(f"evidence directory appeared while writing: {self.final_dir}")
         os.rename(self.tmp_dir, self.final_dir)
         supervisor.owns_scratch(None)
         self._state = "committed"
-        _fsync(self.final_dir.parent)
+        fsync_path(self.final_dir.parent)
         return self.final_dir, hashlib.sha256(raw).hexdigest()
 
     def abort(self) -> None:

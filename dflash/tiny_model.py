@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .evidence import fsync_path
+
 ARCH = "deepseek4"
 HC = 4  # hyper-connection count (the loader asserts 4)
 
@@ -124,14 +126,6 @@ def _temp(directory: Path, suffix: str = ".gguf") -> str:
             continue
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(path: str | os.PathLike, cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
     """Write the model to `path` atomically; returns the path. K-quant presets need `quantize`
     (dflash.llama.quantize, with the library loaded): it turns the f32 model into them."""
@@ -159,7 +153,7 @@ def _write_atomic(path: Path, cfg: TinyConfig, quantize: Quantizer | None,
             quantize(tmps[0], tmps[1], QUANTIZED[cfg.weights])
         else:
             _write(gguf, QT, tmps[0], cfg)
-        _fsync(tmps[-1])  # the bytes are on disk before the name points at them
+        fsync_path(tmps[-1])  # the bytes are on disk before the name points at them
         before_replace(tmps[-1])
         os.replace(tmps[-1], path)
     finally:

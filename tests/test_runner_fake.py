@@ -12,6 +12,7 @@ import pytest
 
 from dflash import prefill
 from dflash.bands import NARROW, Band, from_widths, plan
+from dflash.errors import LlamaError
 
 N_VOCAB = 16
 TOKENS = [(7 * i + 3) % N_VOCAB for i in range(37)]  # 37 tokens: crosses ratio 4 and 8 boundaries
@@ -70,8 +71,10 @@ class FakeContext:
     def decode(self, tokens, pos: int, logits: str = "all"):
         tokens = list(tokens)
         w = len(tokens)
-        assert 1 <= w <= self.max_band, f"band width {w} outside 1..{self.max_band}"
-        assert pos + w <= self.n_ctx, f"positions {pos}..{pos + w - 1} exceed the context of {self.n_ctx}"
+        if not 1 <= w <= self.max_band:  # as llama.Context.decode refuses them
+            raise LlamaError(f"band width {w} outside 1..{self.max_band}")
+        if pos + w > self.n_ctx:
+            raise LlamaError(f"positions {pos}..{pos + w - 1} exceed the context of {self.n_ctx}")
         missing = [p for p in range(pos) if p not in self.kv]
         assert not missing, f"decode at {pos} without positions {missing[:3]}... in the cache"
         self.calls.append((tokens, pos, logits))
@@ -303,3 +306,12 @@ def test_request_rejects_bands_that_do_not_tile(bands):
 def test_request_rejects_an_unknown_logits_mode():
     with pytest.raises(ValueError, match="logits"):
         prefill.Request(TOKENS[:4], from_widths([4]), logits="ALL")
+
+
+def test_a_band_the_context_cannot_hold_is_an_error_not_a_truncation():
+    """The runner hands each band to one decode whole: a band wider than the context's batch, or
+    past its end, fails with llama.Context's error instead of being cut or dropped."""
+    with pytest.raises(LlamaError, match="band width 9 outside 1..8"):
+        prefill.run(FakeContext(max_band=8), prefill.Request(TOKENS[:9], from_widths([9]), n_predict=0))
+    with pytest.raises(LlamaError, match="exceed the context of 8"):
+        prefill.run(FakeContext(n_ctx=8), prefill.Request(TOKENS[:9], from_widths([4, 4, 1]), n_predict=0))

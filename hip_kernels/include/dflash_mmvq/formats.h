@@ -145,13 +145,17 @@ template <> struct slice<Q4_K> {
     float d, dmin;
     int sc_a, m_a, sc_b, m_b;
     int lo0, lo1, hi0, hi1, pair, quad;
-    DF_FN void load(const uint8_t* blk, int p) {
+    // the part's position and its two sub-blocks' scales and mins (Q5_K shares the layout)
+    DF_FN void load_scales(const uint8_t* blk, int p) {
         pair = p >> 2;
         quad = p & 3;
         d = half_to_float(load_u16(blk));
         dmin = half_to_float(load_u16(blk + 2));
         q4k_scale_min(blk + 4, 2 * pair, sc_a, m_a);
         q4k_scale_min(blk + 4, 2 * pair + 1, sc_b, m_b);
+    }
+    DF_FN void load(const uint8_t* blk, int p) {
+        load_scales(blk, p);
         const uint32_t v0 = load_u32_a4(blk + 16 + 32 * pair + 8 * quad);
         const uint32_t v1 = load_u32_a4(blk + 20 + 32 * pair + 8 * quad);
         lo0 = (int)nib_lo(v0);
@@ -201,12 +205,7 @@ template <> struct slice<Q5_0> {
 // (high nibbles, qh bit 2i+1), whose fifth bits sit in qh[8k .. 8k+7].
 template <> struct slice<Q5_K> : slice<Q4_K> {
     DF_FN void load(const uint8_t* blk, int p) {
-        pair = p >> 2;
-        quad = p & 3;
-        d = half_to_float(load_u16(blk));
-        dmin = half_to_float(load_u16(blk + 2));
-        q4k_scale_min(blk + 4, 2 * pair, sc_a, m_a);
-        q4k_scale_min(blk + 4, 2 * pair + 1, sc_b, m_b);
+        load_scales(blk, p);
         const uint32_t h0 = load_u32_a4(blk + 16 + 8 * quad) >> (2 * pair);
         const uint32_t h1 = load_u32_a4(blk + 20 + 8 * quad) >> (2 * pair);
         const uint32_t v0 = load_u32_a4(blk + 48 + 32 * pair + 8 * quad);

@@ -3,6 +3,8 @@
 #   cpu_kernels/patches/common/*.patch  every flavor: fixes without which a build does not run
 #   cpu_kernels/patches/exact/*.patch   the exact flavor: one kernel family per weight type at
 #                                       every batch width (see cpu_kernels/README.md)
+#   rpc/patches/*.patch                 every flavor: the RPC backend reports its build and names
+#                                       a lost server (see README.md, "Across machines")
 # (cmake/llama.cmake runs this as the ExternalProject PATCH_COMMAND; the HIP set is applied by
 # hip_kernels/apply_patch.cmake after it.)
 foreach(v SRC FLAVOR REPO)
@@ -24,4 +26,7 @@ foreach(d IN LISTS dirs)
   list(SORT ps)
   list(APPEND patches ${ps})
 endforeach()
+file(GLOB ps "${REPO}/rpc/patches/*.patch")
+list(SORT ps)
+list(APPEND patches ${ps})
 dflash_apply_patches("${SRC}" ${patches})

@@ -7,6 +7,8 @@
 #        The runner turns flash attention off at run time.
 # stock: common patches only (fixes a build needs to run at all): llama.cpp's defaults, kept for
 #        comparison (`--lib stock`).
+# Both build ggml's RPC backend (GGML_RPC, libggml-rpc.so): `dflash rpc-server` serves a build's
+# devices and `--rpc HOST:PORT` uses remote ones (rpc/patches applies to both flavors).
 include(ExternalProject)
 
 if(NOT EXISTS "${DFLASH_LLAMA_SRC}/CMakeLists.txt")
@@ -33,6 +35,7 @@ set(_llama_args
   -DLLAMA_CURL=OFF
   -DLLAMA_OPENSSL=OFF
   -DGGML_NATIVE=ON
+  -DGGML_RPC=ON
 )
 set(_llama_patch ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR> -DFLAVOR=${DFLASH_LLAMA_FLAVOR}
     -DREPO=${CMAKE_CURRENT_SOURCE_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/cmake/apply_patches.cmake)

@@ -124,4 +124,4 @@ def bench(eng: Engine, text: str, tokens: list[int], writer, *, warmup: int = 2,
     path, manifest_sha = write_evidence(writer, records.provenance(eng, None, text, tokens), options, samples,
                                         widths, summary)
     return BenchResult(summary, len(tokens), eng.threads, Library(s.lib, str(eng.lib_dir)), s.chunk, s.qualified,
-                       str(path), manifest_sha)
+                       str(path), manifest_sha, eng.placement)

@@ -29,8 +29,8 @@ __all__ = ["FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION
            "install_dir", "is_built", "library_dir", "source_dir"]
 
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
-_PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact"),
-               "stock": ("cpu_kernels/patches/common",)}  # the patch set each flavor applies
+_PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact", "rpc/patches"),
+               "stock": ("cpu_kernels/patches/common", "rpc/patches")}  # the patch set each flavor applies
 
 Log = Callable[[str], None]
 

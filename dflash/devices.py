@@ -17,7 +17,7 @@ from .errors import NoDeviceError, UsageError
 
 @dataclass(frozen=True)
 class Device:
-    id: str              # "cpu" or "hip:N"
+    id: str              # "cpu", "hip:N" or "cuda:N"
     name: str
     arch: str            # gfx1201, gfx1151, ... or the CPU's machine type
     memory_bytes: int | None
@@ -83,33 +83,77 @@ def hip_devices() -> tuple[list[Device], str | None]:
 
 
 GPU_KINDS = ("hip", "cuda")
+_SPEC_HELP = ("use cpu, hip:N or cuda:N, rpc:N (a device of a --rpc server), or a layer split of those "
+              "joined by commas, e.g. hip:0,hip:1, cpu,rpc:0 or rpc:0,rpc:1")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed --device: where the model's layers go.
+
+    entries: the canonical parts in the order given ("cpu", "hip:0", "rpc:1", ...). The CPU holds
+    every layer not offloaded; named alone it holds all of them, in a split it takes the first
+    layers (llama.cpp offloads the last ones). A split spreads layers evenly over its parts."""
+    entries: tuple[str, ...]
+
+    @property
+    def kind(self) -> str:
+        """The local library's backend: 'hip', 'cuda', or 'cpu' (also for CPU + RPC devices)."""
+        kinds = {e.split(":", 1)[0] for e in self.entries} & set(GPU_KINDS)
+        return kinds.pop() if kinds else "cpu"
+
+    @property
+    def gpu_ids(self) -> list[int]:
+        return [int(e.split(":", 1)[1]) for e in self.entries if e.split(":", 1)[0] in GPU_KINDS]
+
+    @property
+    def rpc_ids(self) -> list[int]:
+        return [int(e.split(":", 1)[1]) for e in self.entries if e.startswith("rpc:")]
+
+    @property
+    def cpu_share(self) -> bool:
+        """The CPU takes layers in a split (named with other devices)."""
+        return "cpu" in self.entries and len(self.entries) > 1
+
+    @property
+    def by_device_list(self) -> bool:
+        """Placed by an explicit device list (RPC devices, or the CPU in a split) rather than by
+        GPU index and tensor split alone."""
+        return bool(self.rpc_ids) or self.cpu_share
+
+    def __str__(self) -> str:
+        return ",".join(self.entries)
+
+
+def parse_spec(spec: str) -> DeviceSpec:
+    """--device: cpu | hip:N | cuda:N | rpc:N, or several joined by commas (a layer split); one GPU
+    kind per run (one library); no device twice."""
+    text = spec.strip().lower()
+    entries = []
+    for part in text.split(","):
+        part = part.strip()
+        kind, sep, number = part.partition(":")
+        if part == "cpu":
+            entries.append("cpu")
+        elif kind in (*GPU_KINDS, "rpc") and sep and number.isdigit():
+            entries.append(f"{kind}:{int(number)}")
+        else:
+            raise UsageError(f"--device {spec!r} is malformed ({_SPEC_HELP})")
+    if len(set(entries)) != len(entries):
+        raise UsageError(f"--device {spec!r} names a device twice")
+    if len({e.split(":", 1)[0] for e in entries} & set(GPU_KINDS)) > 1:
+        raise UsageError(f"--device {spec!r} mixes HIP and CUDA devices (one library per run)")
+    return DeviceSpec(tuple(entries))
 
 
 def device_kind(spec: str) -> str:
-    """'cpu', 'hip' or 'cuda' (the kind of every device `spec` names; see parse_device)."""
-    spec = spec.strip().lower()
-    if spec == "cpu":
-        return "cpu"
-    kinds = {part.split(":", 1)[0] for part in spec.split(",")}
-    if len(kinds) != 1 or not kinds <= set(GPU_KINDS):
-        raise UsageError(f"--device {spec!r} is malformed (use cpu, hip:N, hip:N,hip:M, cuda:N or cuda:N,cuda:M)")
-    return kinds.pop()
+    """'cpu', 'hip' or 'cuda': the backend of the library a run with this --device loads."""
+    return parse_spec(spec).kind
 
 
 def parse_device(spec: str) -> list[int]:
-    """'cpu' -> []; 'hip:0' or 'cuda:0' -> [0]; 'hip:0,hip:1' (layer split) -> [0, 1]."""
-    kind = device_kind(spec)
-    if kind == "cpu":
-        return []
-    ids = []
-    for part in spec.strip().lower().split(","):
-        number = part.partition(":")[2]
-        if not number.isdigit():
-            raise UsageError(f"--device {spec!r} is malformed (use cpu, hip:N, hip:N,hip:M, cuda:N or cuda:N,cuda:M)")
-        ids.append(int(number))
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"--device {spec!r} names a device twice")
-    return ids
+    """The local GPU indices --device names: 'cpu' -> []; 'hip:0' -> [0]; 'hip:0,hip:1' -> [0, 1]."""
+    return parse_spec(spec).gpu_ids
 
 
 def cuda_devices() -> tuple[list[Device], str | None]:
@@ -136,8 +180,8 @@ def cuda_devices() -> tuple[list[Device], str | None]:
 
 
 def require_gpu(spec: str) -> list[Device]:
-    """The GPUs `spec` names (hip:N or cuda:N), or NoDeviceError (exit 3) saying why they are not
-    there; [] for the CPU."""
+    """The local GPUs `spec` names (hip:N or cuda:N), or NoDeviceError (exit 3) saying why they are
+    not there; [] when it names none."""
     kind, ids = device_kind(spec), parse_device(spec)
     if kind == "cpu":
         return []

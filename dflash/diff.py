@@ -38,7 +38,7 @@ def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: pref
         first_node=d.first, n_compared=d.n_compared, node_positions_differing=len(d.positions_differing),
         differing=tuple(d.differing[:show]), n_differing_at_first_position=len(d.differing),
         model=eng.info.path, library=Library(eng.settings.lib, str(eng.lib_dir)), threads=eng.threads,
-        ignore=ignore)
+        ignore=ignore, devices=eng.placement)
 
 
 def run(eng: Engine, tokens: list[int], spec_a: str, spec_b: str, *, ignore: str | None = None, show: int = 10,

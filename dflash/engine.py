@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bands, build, devices, gguf_meta, llama, narrow, tiny_model
+from . import bands, build, devices, gguf_meta, llama, narrow, qualification, tiny_model
 from .errors import DflashError, UsageError
+from .rpc import Remote, check_builds
 from .settings import Settings
 from .settings import resolve as resolve_settings
 
@@ -105,6 +106,10 @@ class Engine:
     threads: int
     device: str = "cpu"
     gpu_archs: tuple[str, ...] = ()  # the --device GPUs' architectures (gfx1201, ...); () on the CPU
+    remote: Remote | None = None     # the --rpc servers
+    placement: tuple[dict, ...] = ({"id": "cpu"},)  # every device of --device, as devices_json says
+    rpc_warnings: tuple[str, ...] = ()
+    repack: bool = True  # weights in llama.cpp's extra buffer types (AMX, repacked); off: --no-repack, RPC runs
 
     @property
     def uncovered_weight_types(self) -> dict[str, int]:
@@ -114,7 +119,7 @@ class Engine:
 
     def narrow_warnings(self) -> list[str]:
         w = narrow.warning(self.uncovered_weight_types, self.device, self.gpu_archs, self.settings.narrow)
-        return [w] if w else []
+        return [w, *self.rpc_warnings] if w else list(self.rpc_warnings)
 
     def close(self) -> None:
         """Free the model (contexts are closed by their owners)."""
@@ -157,8 +162,13 @@ class Engine:
         exact library's CPU kernel runs every query row the same way at every width,
         cpu_kernels/README.md) and for the stock library anywhere; off for the exact library on a
         GPU, whose flash-attention kernels are not made batch-invariant (the CUDA build leaves
-        them out)."""
-        return None if self.device == "cpu" or self.settings.lib != "exact" else False
+        them out). RPC devices count as what their server serves (`dflash rpc-server` reports it;
+        a server that does not is taken for a GPU)."""
+        if self.settings.lib != "exact":
+            return None
+        spec = devices.parse_spec(self.device)
+        on_cpu = spec.kind == "cpu" and (self.remote is None or self.remote.all_cpu)
+        return None if on_cpu else False
 
     def context(self, n_ctx: int, max_band: int, eval_callback=None) -> llama.Context:
         return llama.Context(self.model, n_ctx, self.threads, flash_attn=self.flash_attn,
@@ -187,9 +197,7 @@ def gpu_placement(ids: list[int]) -> dict:
     """Model placement for --device: cpu; hip:N (all layers on N); hip:N,hip:M (layer split)."""
     if not ids:
         return {}
-    if not llama.supports_gpu():
-        raise DflashError("the loaded llama.cpp library has no GPU backend: `dflash build --gpu hip|cuda` "
-                          "builds one (see hip_kernels/README.md), or set DFLASH_LLAMA_LIB_DIR to one")
+    _require_gpu_library()
     if len(ids) == 1:
         return {"n_gpu_layers": 999, "main_gpu": ids[0]}
     split = [0.0] * (max(ids) + 1)
@@ -198,22 +206,97 @@ def gpu_placement(ids: list[int]) -> dict:
     return {"n_gpu_layers": 999, "main_gpu": ids[0], "tensor_split": split}
 
 
+def _require_gpu_library() -> None:
+    if not llama.supports_gpu():
+        raise DflashError("the loaded llama.cpp library has no GPU backend: `dflash build --gpu hip|cuda` "
+                          "builds one (see hip_kernels/README.md), or set DFLASH_LLAMA_LIB_DIR to one")
+
+
+def cpu_layers(n_layers: int, parts: int) -> int:
+    """Layers the CPU keeps in a split of `parts` devices including the CPU: an even share, at
+    least one, and at least one layer left for the others."""
+    return min(max(round(n_layers / parts), 1), max(n_layers - 1, 0))
+
+
+def list_placement(spec: devices.DeviceSpec, n_layers: int, remote: Remote | None) -> dict:
+    """Model placement by an explicit device list (RPC devices, the CPU in a split): the CPU keeps
+    the first layers, every other device an even share of the rest (the output layer with the last)."""
+    gpus = llama.gpu_devices() if spec.gpu_ids else []
+    if spec.gpu_ids:
+        _require_gpu_library()
+        if max(spec.gpu_ids) >= len(gpus):
+            raise DflashError(f"the loaded library sees {len(gpus)} GPU device(s), --device names {spec}")
+    remote_handles = llama.rpc_add_servers(remote.endpoints) if remote is not None else []
+    handles = []
+    for e in spec.entries:
+        kind, _, n = e.partition(":")
+        if kind == "rpc":
+            handles.append(remote_handles[int(n)])
+        elif kind != "cpu":
+            handles.append(gpus[int(n)])
+    offloaded = n_layers + 1 - (cpu_layers(n_layers, len(spec.entries)) if spec.cpu_share else 0)
+    out: dict = {"devices": handles, "n_gpu_layers": offloaded, "main_gpu": 0}
+    if len(handles) > 1:
+        out["tensor_split"] = [1.0] * len(handles)
+    return out
+
+
+def devices_json(spec: devices.DeviceSpec, remote: Remote | None, gpus: list[devices.Device]) -> tuple[dict, ...]:
+    """Every device of --device for results and evidence: local ones by id (GPUs with name and
+    architecture), RPC ones with their endpoint and the build their server reports."""
+    by_id = {d.id: d for d in gpus}
+    remote_devs = remote.devices if remote is not None else []
+    out = []
+    for e in spec.entries:
+        if e.startswith("rpc:"):
+            out.append(remote_devs[int(e[4:])].to_json())
+        elif e in by_id:
+            d = by_id[e]
+            out.append({"id": e, "name": d.name, "arch": d.arch})
+        else:
+            out.append({"id": e})
+    return tuple(out)
+
+
 def open_engine(settings: Settings, model_path: str | None = None, *, threads: int | None = None,
                 weights: str = tiny_model.DEFAULT_WEIGHTS, device: str = "cpu",
-                log: Log = lambda s: None) -> Engine:
+                remote: Remote | None = None, repack: bool = True, log: Log = lambda s: None) -> Engine:
+    """Library, model and placement for a run. `remote` is the handshake with the --rpc servers
+    (dflash.rpc.connect, done before anything is loaded); a server running another library build
+    is refused here unless the run allows mixed builds. `repack=False` (--no-repack) keeps the
+    weights in plain CPU buffers; a run with RPC devices always does (see repack_for)."""
     quantized = model_path is None and tiny_model.needs_quantizer(weights)
     path = None if quantized else resolve_model(model_path, weights)
     info = gguf_meta.read(path) if path else None  # validates the file before llama.cpp sees it
-    gpu_ids = devices.parse_device(device)
-    kind = devices.device_kind(device)
-    archs = tuple(d.arch for d in devices.require_gpu(device))  # exit 3 with the reason, before any build or load
+    spec = devices.parse_spec(device)
+    if spec.rpc_ids and remote is None:
+        raise UsageError(f"--device {spec} needs --rpc HOST:PORT (the server serving rpc:N)")
+    kind = spec.kind
+    gpus = devices.require_gpu(device)  # exit 3 with the reason, before any build or load
+    archs = tuple(d.arch for d in gpus)
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise UsageError(f"--threads {threads} is outside 1..{MAX_THREADS} (ggml's thread limit)")
+    rpc_warnings: list[str] = []
+    if remote is not None:  # before the build or the model load: a refused server costs nothing
+        rpc_warnings = check_builds(remote.servers, qualification.build_id(settings, kind), remote.allow_mixed_builds)
     lib_dir = load_library(settings, log, gpu="none" if kind == "cpu" else kind)
     if path is None:  # a K-quant built-in model: made by the library just loaded
         path = resolve_model(None, weights)
         info = gguf_meta.read(path)
-    placement = gpu_placement(gpu_ids)
-    model = llama.Model(path, **placement)
     assert info is not None  # read above, before or after the library's quantizer made the file
-    return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), device, archs)
+    if spec.by_device_list:
+        placement = list_placement(spec, info.n_layers or 1, remote)
+    else:
+        placement = gpu_placement(spec.gpu_ids)
+    extra = repack_for(spec, repack)
+    model = llama.Model(path, **placement, extra_bufts=extra)
+    return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), str(spec), archs,
+                  remote, devices_json(spec, remote, gpus), tuple(rpc_warnings), extra)
+
+
+def repack_for(spec: devices.DeviceSpec, repack: bool = True) -> bool:
+    """Whether a run puts weights in llama.cpp's extra CPU buffer types (AMX, repacked). Never with
+    RPC devices: the RPC backend allocates plain buffers on its server, so a CPU served over RPC
+    runs the plain kernels, and the client's own CPU layers do the same; every layer of the run
+    then uses the kernels a local `--no-repack` run uses, and the two can be compared bit for bit."""
+    return repack and not spec.rpc_ids

@@ -115,19 +115,122 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int) -> None
         raise LlamaError(f"llama.cpp could not quantize {src} to ftype {ftype}: {_last_log()}")
 
 
+# ---------------------------------------------------------------------------------------------
+# ggml devices and its RPC backend (libggml, libggml-base and libggml-rpc of the loaded library)
+
+def _ggml():
+    """libggml (the backend registry) with the prototypes dflash calls."""
+    if _LIB_DIR is None:
+        raise DflashError("llama.cpp library not loaded (call load_library first)")
+    lib = ctypes.CDLL(str(_LIB_DIR / "libggml.so"))
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for name, res, args in (("ggml_backend_dev_count", sz, []), ("ggml_backend_dev_get", vp, [sz]),
+                            ("ggml_backend_dev_by_type", vp, [ctypes.c_int]),
+                            ("ggml_backend_register", None, [vp]),
+                            ("ggml_backend_reg_dev_count", sz, [vp]), ("ggml_backend_reg_dev_get", vp, [vp, sz]),
+                            ("ggml_backend_dev_type", ctypes.c_int, [vp]),
+                            ("ggml_backend_dev_name", ctypes.c_char_p, [vp]),
+                            ("ggml_backend_dev_description", ctypes.c_char_p, [vp]),
+                            ("ggml_backend_dev_backend_reg", vp, [vp]),
+                            ("ggml_backend_reg_name", ctypes.c_char_p, [vp])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def _ggml_rpc():
+    if _LIB_DIR is None:
+        raise DflashError("llama.cpp library not loaded (call load_library first)")
+    path = _LIB_DIR / "libggml-rpc.so"
+    if not path.is_file():
+        raise DflashError(f"the llama.cpp library in {_LIB_DIR} has no RPC backend (libggml-rpc.so): "
+                          f"dflash's builds have it; rebuild with `dflash build`, or build yours with -DGGML_RPC=ON")
+    lib = ctypes.CDLL(str(path))
+    vp = ctypes.c_void_p
+    lib.ggml_backend_rpc_add_server.restype, lib.ggml_backend_rpc_add_server.argtypes = vp, [ctypes.c_char_p]
+    lib.ggml_backend_rpc_start_server.restype = None
+    lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                  ctypes.c_size_t, ctypes.POINTER(vp)]
+    return lib
+
+
+def gpu_devices() -> list[int]:
+    """The local GPU devices of the loaded library (ggml device handles), in ggml's order: what
+    hip:N / cuda:N index. RPC devices are not among them."""
+    g = _ggml()
+    out = []
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        reg_name = (g.ggml_backend_reg_name(g.ggml_backend_dev_backend_reg(dev)) or b"").decode()
+        if g.ggml_backend_dev_type(dev) in (1, 2) and not reg_name.startswith("RPC"):  # GPU, IGPU
+            out.append(dev)
+    return out
+
+
+def rpc_add_servers(endpoints: list[str]) -> list[int]:
+    """Register RPC servers (as llama.cpp's --rpc does) and return their devices' handles, server
+    by server. Call only after dflash.rpc.probe answered for each: ggml aborts on a dead server."""
+    g, r = _ggml(), _ggml_rpc()
+    out = []
+    for ep in endpoints:
+        stage(f"RPC server registration ({ep})")
+        reg = r.ggml_backend_rpc_add_server(ep.encode())
+        if not reg:
+            raise LlamaError(f"RPC server {ep} offers no device")
+        g.ggml_backend_register(reg)
+        out += [g.ggml_backend_reg_dev_get(reg, i) for i in range(g.ggml_backend_reg_dev_count(reg))]
+    return out
+
+
+def rpc_serve(endpoint: str, threads: int, device: str) -> None:
+    """Serve this process's `device` ("cpu" or "gpu:N", the N-th local GPU) over RPC at `endpoint`
+    (HOST:PORT): blocks while the server runs (one client at a time); returns only when ggml could
+    not set it up (its reason is in the captured native output)."""
+    g, r = _ggml(), _ggml_rpc()
+    if device == "cpu":
+        dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    else:
+        gpus = gpu_devices()
+        n = int(device.partition(":")[2])
+        if n >= len(gpus):
+            raise LlamaError(f"the loaded library has {len(gpus)} GPU device(s), no {device}")
+        dev = gpus[n]
+    if not dev:
+        raise LlamaError(f"the loaded library has no {device} device")
+    devs = (ctypes.c_void_p * 1)(dev)
+    stage(f"RPC server at {endpoint}")
+    r.ggml_backend_rpc_start_server(endpoint.encode(), None, threads, 1, devs)
+
+
+def device_label(dev: int) -> str:
+    g = _ggml()
+    return f"{(g.ggml_backend_dev_name(dev) or b'').decode()} ({(g.ggml_backend_dev_description(dev) or b'').decode()})"
+
+
 class Model:
     """A loaded GGUF. Weights go to llama.cpp's extra buffer types (AMX, repacked) as llama.cpp
-    places them by default: in the exact flavor those kernels are batch-invariant too."""
+    places them by default: in the exact flavor those kernels are batch-invariant too.
+    `extra_bufts=False` keeps them in plain CPU buffers (llama.cpp's --no-repack): the kernels a
+    CPU served over RPC runs, since the RPC backend allocates plain buffers on the server.
+
+    Placement: n_gpu_layers/main_gpu/tensor_split as llama.cpp takes them; `devices` (ggml device
+    handles) restricts offloading to those devices, in that order (RPC devices, a local and a
+    remote device); tensor_split then indexes them."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
-                 main_gpu: int = 0, tensor_split: list[float] | None = None):
+                 main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[int] | None = None,
+                 extra_bufts: bool = True):
         L = _lib()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
         mp.main_gpu = main_gpu
-        mp.use_extra_bufts = True
+        mp.use_extra_bufts = extra_bufts
         self._split = None
-        if tensor_split:  # layers spread over several GPUs in these proportions
+        self._devices = None
+        if devices:
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
+            mp.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split:  # layers spread over several devices in these proportions
             self._split = (ctypes.c_float * len(tensor_split))(*tensor_split)
             mp.tensor_split = self._split
             mp.split_mode = L.LLAMA_SPLIT_MODE_LAYER

@@ -3,7 +3,10 @@
 Each configuration runs `dflash prefill --compare-q1 --json` in its own process (one llama.cpp
 library per process), whose output is read back as a PrefillResult: CPU with 1 and 2 threads on
 the exact and stock libraries, each HIP device, and a layer split across two HIP devices when
-two are present. Rows that cannot run here are listed with the reason.
+two are present; with RPC servers (--rpc), every layer on the first server's device, the CPU and
+that device in a split, and two servers' devices in a split, with the local exact library on
+plain CPU buffers (--no-repack) as their reference: an RPC server's CPU runs those kernels (see
+engine.repack_for). Rows that cannot run here are listed with the reason.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 from . import devices
 from .errors import DflashError
 from .results import Library, MatrixResult, MatrixRow, PrefillResult, Skipped
+from .rpc import Remote
 from .settings import ENV_LIB_DIR
 
 
@@ -27,6 +31,9 @@ class Config:
     device: str
     threads: int
     lib: str
+    repack: bool = True            # False: --no-repack (and every row with RPC devices)
+    rpc: tuple[str, ...] = ()      # --rpc endpoints
+    allow_mixed_builds: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,11 +48,19 @@ class Row:
         return self.result is not None
 
 
-def configurations(threads=(1, 2), libs=("exact", "stock")) -> tuple[list[Config], list[Skipped]]:
+def configurations(threads=(1, 2), libs=("exact", "stock"), remote: Remote | None = None
+                   ) -> tuple[list[Config], list[Skipped]]:
     """(configs to run, skipped rows with reasons)."""
     cfgs = [Config(f"cpu t{t} {lib}", "cpu", t, lib) for lib in libs for t in threads]
-    hip, reason = devices.hip_devices()
     skipped = []
+    if remote is not None:
+        cfgs += rpc_configurations(remote, threads[0])
+        if len(remote.devices) < 2:
+            skipped.append(Skipped("rpc:0+rpc:1 two servers",
+                                   f"needs two RPC devices, --rpc offers {len(remote.devices)}"))
+    else:
+        skipped.append(Skipped("rpc:N (RPC servers)", "no --rpc servers given"))
+    hip, reason = devices.hip_devices()
     if hip:
         cfgs += [Config(f"{d.id} {d.arch}", d.id, threads[0], "exact") for d in hip]
     else:
@@ -64,9 +79,28 @@ def configurations(threads=(1, 2), libs=("exact", "stock")) -> tuple[list[Config
     return cfgs, skipped
 
 
+def rpc_configurations(remote: Remote, threads: int) -> list[Config]:
+    """The local reference on plain CPU buffers, then the RPC rows: all layers remote, the CPU and
+    a remote device in a split, two remote devices in a split (when there are two)."""
+    eps, mixed = tuple(remote.endpoints), remote.allow_mixed_builds
+    first = remote.devices[0]
+    cfgs = [Config(f"cpu t{threads} exact no-repack", "cpu", threads, "exact", repack=False),
+            Config(f"rpc:0 all layers ({first.server.endpoint})", "rpc:0", threads, "exact", False, eps, mixed),
+            Config(f"cpu+rpc:0 split ({first.server.endpoint})", "cpu,rpc:0", threads, "exact", False, eps, mixed)]
+    if len(remote.devices) >= 2:
+        second = remote.devices[1]
+        cfgs.append(Config(f"rpc:0+rpc:1 split ({first.server.endpoint} + {second.server.endpoint})",
+                           "rpc:0,rpc:1", threads, "exact", False, eps, mixed))
+    return cfgs
+
+
 def run_config(cfg: Config, passthrough: list[str]) -> Row:
     cmd = [sys.executable, "-m", "dflash", "prefill", "--compare-q1", "--json", "--bands",
            "--lib", cfg.lib, "--threads", str(cfg.threads), "--device", cfg.device, *passthrough]
+    if not cfg.repack and not cfg.rpc:
+        cmd.append("--no-repack")
+    if cfg.rpc:
+        cmd += ["--rpc", ",".join(cfg.rpc)] + (["--allow-mixed-builds"] if cfg.allow_mixed_builds else [])
     # DFLASH_LLAMA_LIB_DIR (e.g. a HIP build) stands for the exact library only
     drop = {"LLAMA_CPP_LIB_PATH"} | ({ENV_LIB_DIR} if cfg.lib != "exact" else set())
     env = {k: v for k, v in os.environ.items() if k not in drop}
@@ -83,21 +117,28 @@ def run_config(cfg: Config, passthrough: list[str]) -> Row:
 
 
 def compare(rows: Sequence[Row], skipped: Sequence[Skipped] = ()) -> MatrixResult:
-    """Equality of every row's q1 and band hashes against the first exact row's q1 run."""
+    """Equality of every row's q1 and band hashes against the q1 run of the first exact row with
+    the same weight buffers (repacked, or plain: --no-repack and every RPC row): those two run
+    other kernels, so each has its own reference."""
     ran = [r for r in rows if r.result is not None]
     ref = next((r for r in ran if r.config.lib == "exact"), ran[0] if ran else None)
     if ref is None or ref.result is None or ref.result.comparison is None:
         first = next((r.error for r in rows if r.error), None)
         raise DflashError("no configuration ran" + (f": {first}" if first else ""))
-    ref_q1 = ref.result.comparison.q1
+    refs: dict[bool, Row] = {}
+    for r in ran:
+        if r.config.lib == "exact" and r.config.repack not in refs:
+            refs[r.config.repack] = r
     out = []
     for r in rows:
         c = r.config
         res = r.result
-        if res is None or res.comparison is None:
+        own = refs.get(c.repack, ref)
+        if res is None or res.comparison is None or own.result is None or own.result.comparison is None:
             out.append(MatrixRow(c.name, c.device, c.threads, c.lib, Library(c.lib, None),
-                                 error=r.error or "no result"))
+                                 error=r.error or "no result", reference=own.config.name))
             continue
+        ref_q1 = own.result.comparison.q1
         q1 = res.comparison.q1
         out.append(MatrixRow(
             c.name, c.device, c.threads, c.lib, res.library,
@@ -105,18 +146,20 @@ def compare(rows: Sequence[Row], skipped: Sequence[Skipped] = ()) -> MatrixResul
             logits_sha256=res.logits_sha256, response_sha256=res.response_sha256,
             q1_equals_bands=res.comparison.identical,
             logits_equal_reference=q1.logits_sha256 == ref_q1.logits_sha256 == res.logits_sha256,
-            response_equal_reference=q1.response_sha256 == ref_q1.response_sha256 == res.response_sha256))
+            response_equal_reference=q1.response_sha256 == ref_q1.response_sha256 == res.response_sha256,
+            reference=own.config.name, devices=res.devices))
     return MatrixResult(ref.config.name, tuple(out), tuple(skipped))
 
 
 def run(n_predict: int, chunk: int | str, model: str | None = None, prompt: str | None = None,
-        progress: Callable[[int, int], None] = lambda done, total: None) -> MatrixResult:
+        progress: Callable[[int, int], None] = lambda done, total: None,
+        remote: Remote | None = None) -> MatrixResult:
     """Every configuration that can run here, one process each, on the same prompt (`prompt`, or
     the built-in one) and model, compared (see compare)."""
     passthrough = ["--chunk", str(chunk), "--n-predict", str(n_predict)]
     if model:
         passthrough += ["--model", model]
-    cfgs, skipped = configurations()
+    cfgs, skipped = configurations(remote=remote)
     rows = []
     with tempfile.TemporaryDirectory(prefix="dflash-matrix-") as tmp:
         if prompt is not None:  # every row reads the same prompt, whatever --prompt-file was

@@ -42,6 +42,7 @@ from pathlib import Path
 from . import build, devices, gguf_meta, paths, tiny_model
 from .errors import DflashError, UsageError
 from .evidence import sha256_file
+from .rpc import Remote
 from .settings import AUTO, ENV_LIB_DIR, FIXED, LIBS, MAX_BAND, MAX_CHUNK, PLANNER, Chunk, Qualified, Settings
 
 SCHEMA = "dflash.qualification"
@@ -54,7 +55,7 @@ _WIDTH_KEYS = {"width", "planner_exact", "planner_widest_band", "fixed_exact", "
                "evidence_dir"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX = re.compile(r"[0-9a-f]{16,64}")
-_DEVICE = re.compile(r"cpu|hip:\d+(,hip:\d+)*|cuda:\d+(,cuda:\d+)*")
+_DEVICE = re.compile(r"(cpu|hip:\d+|cuda:\d+|rpc:\d+)(,(cpu|hip:\d+|cuda:\d+|rpc:\d+))*")
 
 Warn = Callable[[str], None]
 
@@ -199,7 +200,7 @@ def parse(raw: bytes) -> Record:
           and _HEX64.fullmatch(model["sha256"]) is not None and isinstance(model["path"], str),
           "model is not {\"sha256\": <64 lowercase hex>, \"path\": <string>}")
     _need(isinstance(d["device"], str) and _DEVICE.fullmatch(d["device"]) is not None,
-          f"device {d['device']!r} is not cpu, hip:N[,hip:M] or cuda:N[,cuda:M]")
+          f"device {d['device']!r} is not a --device (cpu, hip:N, cuda:N, rpc:N, joined by commas)")
     _need(_is_time(d["updated_utc"]), f"updated_utc {d['updated_utc']!r} is not {TIME_FORMAT}")
     _need(isinstance(d["widths"], list) and len(d["widths"]) > 0, "widths is not a non-empty list")
     widths = tuple(_verdict(i, x) for i, x in enumerate(d["widths"]))
@@ -283,14 +284,14 @@ def dir_key(d: Path) -> str:
 
 
 def device_name(device: str) -> str:
-    """The canonical form of --device: cpu, hip:N[,hip:M] or cuda:N[,cuda:M]."""
-    kind = devices.device_kind(device)
-    return ",".join(f"{kind}:{i}" for i in devices.parse_device(device)) if kind != "cpu" else "cpu"
+    """The canonical form of --device (e.g. cpu, hip:0,hip:1, cpu,rpc:0)."""
+    return str(devices.parse_spec(device))
 
 
-def identity(settings: Settings, model_path: str | os.PathLike, device: str = "cpu") -> Identity:
-    from .records import file_sha256  # records imports the engine; keep this module light
-    kind = devices.device_kind(device)
+def library_key(settings: Settings, kind: str = "cpu") -> tuple[str, str]:
+    """(source, key) of the library a run loads: "build" and dflash.build.build_key of the flavor
+    (and GPU backend), or "dir" and dir_key of DFLASH_LLAMA_LIB_DIR. On a GPU the key also covers
+    the routing flags (they decide which kernels run there)."""
     if settings.lib_dir:
         source, key = "dir", dir_key(Path(settings.lib_dir))
     else:  # a GPU run loads that backend's build of the flavor
@@ -298,6 +299,28 @@ def identity(settings: Settings, model_path: str | os.PathLike, device: str = "c
     if kind != "cpu":  # on a GPU the library's routing flags decide which kernels run: part of the key
         routing = f"{key}|narrow={int(settings.narrow)}|ncols={settings.mmvq_max_ncols}"
         key = hashlib.sha256(routing.encode()).hexdigest()[:16]
+    return source, key
+
+
+def build_id(settings: Settings, kind: str = "cpu") -> str:
+    """The library build a process runs, as `dflash rpc-server` reports it and an RPC client compares
+    it: "exact-<build key>" (the folder name under ~/.cache/dflash/llama/ on the CPU), or
+    "exact-dir-<16 hex>" for DFLASH_LLAMA_LIB_DIR."""
+    source, key = library_key(settings, kind)
+    return f"{settings.lib}-{key}" if source == "build" else f"{settings.lib}-dir-{key[:16]}"
+
+
+def identity(settings: Settings, model_path: str | os.PathLike, device: str = "cpu",
+             remote: Remote | None = None, repack: bool = True) -> Identity:
+    """What a record is about. Plain CPU buffers (--no-repack, and every run with RPC devices) run
+    other kernels than AMX and repacked ones, and what RPC servers run is part of the run: both
+    enter the library key."""
+    from .records import file_sha256  # records imports the engine; keep this module light
+    source, key = library_key(settings, devices.device_kind(device))
+    if remote is not None:
+        key = hashlib.sha256(f"{key}|rpc={remote.identity}".encode()).hexdigest()[:16]
+    elif not repack:
+        key = hashlib.sha256(f"{key}|no-repack".encode()).hexdigest()[:16]
     return Identity(settings.lib, source, key, file_sha256(str(model_path)), device_name(device))
 
 
@@ -311,7 +334,8 @@ def model_file(model: str | None, weights: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def qualify_command(model: str | None, weights: str, lib: str, device: str, widths: str) -> str:
+def qualify_command(model: str | None, weights: str, lib: str, device: str, widths: str,
+                    remote: Remote | None = None, repack: bool = True) -> str:
     """The `dflash qualify` command that would qualify `widths` for this run's library/model/device."""
     parts = ["dflash qualify"]
     if model:
@@ -322,6 +346,12 @@ def qualify_command(model: str | None, weights: str, lib: str, device: str, widt
         parts.append(f"--lib {lib}")
     if device_name(device) != "cpu":
         parts.append(f"--device {shlex.quote(device)}")
+    if not repack and remote is None:
+        parts.append("--no-repack")
+    if remote is not None:
+        parts.append(f"--rpc {','.join(remote.endpoints)}")
+        if remote.allow_mixed_builds:
+            parts.append("--allow-mixed-builds")
     return " ".join(parts + [f"--widths {widths}"])
 
 
@@ -329,11 +359,12 @@ AUTO_WIDTHS = "4,8,16,32,64"  # what the note for `--chunk auto` without a recor
 
 
 def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, device: str,
-           warn: Warn, note: Warn) -> Qualified | None:
-    """What the record of this library, model and device proves for --chunk `chunk` (auto or
-    N > 4). No proof: N > 4 is a UsageError naming the qualify command; auto notes that it runs 4."""
+           warn: Warn, note: Warn, remote: Remote | None = None, repack: bool = True) -> Qualified | None:
+    """What the record of this library, model and device (and RPC servers' builds) proves for
+    --chunk `chunk` (auto or N > 4). No proof: N > 4 is a UsageError naming the qualify command;
+    auto notes that it runs 4."""
     path = model_file(model, weights)
-    rec = load(identity(settings, path, device), warn) if path else None
+    rec = load(identity(settings, path, device, remote, repack), warn) if path else None
     if rec is not None:
         if isinstance(chunk, int):
             width, mode = chunk, proven_mode(rec.widths, chunk)
@@ -341,7 +372,8 @@ def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, de
             width, mode = widest_proven(rec.widths)
         if mode:
             return Qualified(str(record_path(rec.identity)), rec.identity.key, width, mode)
-    cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == AUTO else str(chunk))
+    cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == AUTO else str(chunk), remote,
+                          repack)
     if chunk != AUTO:
         raise UsageError(f"--chunk {chunk}: no qualification record proves width {chunk} exact for this "
                          f"library, model and device: run `{cmd}`")

@@ -261,7 +261,7 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
         routing_layers=tuple(routing_layers(ref.routing)),
         reference=request_record(ref, True) | {"response_tokens": ref.result.response_tokens},
         results=tuple(results), recommended_chunk=chunk, recommended_band_mode=mode,
-        uncovered_weight_types=eng.uncovered_weight_types, **rec)
+        uncovered_weight_types=eng.uncovered_weight_types, devices=eng.placement, **rec)
     return report, {"requests": requests, "exact_requests": [q for q in requests if q["exact"]]}
 
 
@@ -272,7 +272,7 @@ def qualify_and_record(eng, text: str, tokens: list[int], writer, widths: Iterab
     """qualify(), then its verdicts as the qualification record of this library, model and device:
     a copy goes into the open EvidenceWriter `writer` (committed here with the provenance, results
     and requests), the record in the user cache is merged with it."""
-    ident = qualification.identity(eng.settings, eng.info.path, device)
+    ident = qualification.identity(eng.settings, eng.info.path, device, eng.remote, eng.repack)
     tap = llama.GraphTap(lambda name: ROUTING_NODE.fullmatch(name) is not None)
     report, requests = qualify(eng, tap, tokens, widths, resume_at, n_predict, progress)
     record = qualification.Record(ident, str(eng.info.path), qualification.now_utc(),

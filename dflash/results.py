@@ -11,6 +11,7 @@ row's hashes when its process did not run, `fixed_width` at width 1).
     QualifyResult   dflash qualify      (QualifyReport is what the evidence's results.json holds)
     DiffResult      dflash diff
     MatrixResult    dflash matrix
+    RpcServerResult dflash rpc-server   (printed once the server answers its own handshake)
 
 `library` has one shape everywhere: Library, {"flavor": "exact"|"stock", "dir": <folder>|null}.
 """
@@ -104,6 +105,8 @@ class PrefillResult:
     warnings: tuple[str, ...]
     comparison: Q1Comparison | None = None  # with --compare-q1
     uncovered_weight_types: dict[str, int] = field(default_factory=dict)  # outside the narrow path (hip only)
+    devices: tuple[Json, ...] = ({"id": "cpu"},)  # every --device part; RPC ones with endpoint and build
+    repack: bool = True   # weights in llama.cpp's extra CPU buffer types (AMX, repacked); --no-repack, RPC: no
 
     def to_json(self) -> Json:
         return {
@@ -120,6 +123,7 @@ class PrefillResult:
             "response_text": self.response_text, "response_sha256": self.response_sha256,
             "warnings": list(self.warnings),
             "uncovered_weight_types": dict(self.uncovered_weight_types),
+            "devices": [dict(d) for d in self.devices], "repack": self.repack,
             **(self.comparison.to_json() if self.comparison is not None else _NO_COMPARISON),
         }
 
@@ -158,7 +162,8 @@ class PrefillResult:
             logits_sha256=f.text("logits_sha256"), response_tokens=f.integers("response_tokens"),
             response_tokens_sha256=f.text("response_tokens_sha256"), response_text=f.text("response_text"),
             response_sha256=f.text("response_sha256"), warnings=f.texts("warnings"), comparison=comparison,
-            uncovered_weight_types=f.counts("uncovered_weight_types") if "uncovered_weight_types" in f.d else {})
+            uncovered_weight_types=f.counts("uncovered_weight_types") if "uncovered_weight_types" in f.d else {},
+            devices=tuple(f.objects("devices")), repack=f.boolean("repack"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,10 +217,11 @@ class BenchResult:
     qualification: Qualified | None
     evidence_dir: str
     manifest_sha256: str
+    devices: tuple[Json, ...] = ({"id": "cpu"},)
 
     def to_json(self) -> Json:
         return {**self.summary.to_json(), "n_prompt_tokens": self.n_prompt_tokens, "threads": self.threads,
-                "library": self.library.to_json(), "chunk": self.chunk,
+                "library": self.library.to_json(), "chunk": self.chunk, "devices": [dict(d) for d in self.devices],
                 "qualification": _qualification(self.qualification),
                 "evidence_dir": self.evidence_dir, "manifest_sha256": self.manifest_sha256}
 
@@ -308,6 +314,7 @@ class QualifyReport:
     recommended_chunk: int
     recommended_band_mode: str
     uncovered_weight_types: dict[str, int] = field(default_factory=dict)  # outside the narrow path (hip only)
+    devices: tuple[Json, ...] = ({"id": "cpu"},)  # every --device part; RPC ones with endpoint and build
 
     @property
     def all_exact(self) -> bool:
@@ -326,6 +333,7 @@ class QualifyReport:
             "recommended_env": dict(self.recommended_env), "recommended_chunk": self.recommended_chunk,
             "recommended_band_mode": self.recommended_band_mode,
             "uncovered_weight_types": dict(self.uncovered_weight_types),
+            "devices": [dict(d) for d in self.devices],
         }
 
 
@@ -395,6 +403,7 @@ class DiffResult:
     library: Library
     threads: int
     ignore: str | None
+    devices: tuple[Json, ...] = ({"id": "cpu"},)
 
     @property
     def logits_identical(self) -> bool:
@@ -419,6 +428,7 @@ class DiffResult:
             "differing": [x.to_json() for x in self.differing],
             "n_differing_at_first_position": self.n_differing_at_first_position,
             "model": self.model, "library": self.library.to_json(), "threads": self.threads, "ignore": self.ignore,
+            "devices": [dict(d) for d in self.devices],
         }
 
 
@@ -441,6 +451,8 @@ class MatrixRow:
     q1_equals_bands: bool | None = None
     logits_equal_reference: bool | None = None
     response_equal_reference: bool | None = None
+    reference: str | None = None       # the configuration whose q1 run this row is compared with
+    devices: tuple[Json, ...] = ()     # as its prefill reported them (RPC: endpoint and build)
 
     @property
     def ran(self) -> bool:
@@ -452,7 +464,8 @@ class MatrixRow:
                 "q1_response_sha256": self.q1_response_sha256, "logits_sha256": self.logits_sha256,
                 "response_sha256": self.response_sha256, "q1_equals_bands": self.q1_equals_bands,
                 "logits_equal_reference": self.logits_equal_reference,
-                "response_equal_reference": self.response_equal_reference, "library": self.library.to_json()}
+                "response_equal_reference": self.response_equal_reference, "library": self.library.to_json(),
+                "reference": self.reference, "devices": [dict(d) for d in self.devices]}
 
 
 @dataclass(frozen=True)
@@ -549,6 +562,36 @@ class _Fields:
         o = self.obj(key)
         return {k: o.integer(k) for k in o.d}
 
+    def objects(self, key: str) -> tuple[Json, ...]:
+        """A list of objects, each with a string "id"."""
+        items = self._items(key, dict)
+        for i, d in enumerate(items):
+            if not isinstance(d.get("id"), str):
+                raise DflashError(f"{self.what}.{key}[{i}] has no string id")
+        return items
+
     def opt_obj(self, key: str) -> _Fields | None:
         v = self.get(key, (dict,), nullable=True)
         return None if v is None else _Fields(v, f"{self.what}.{key}")
+
+
+# ---------------------------------------------------------------------------------------------
+# rpc-server
+
+@dataclass(frozen=True)
+class RpcServerResult:
+    """A running `dflash rpc-server`: where it listens and what it serves."""
+    endpoint: str
+    build: str              # the library build id it reports to clients
+    device: str             # cpu, hip:N or cuda:N
+    protocol: str           # the RPC protocol version it answered
+    threads: int
+    library: Library
+    remote_allowed: bool    # bound to a non-loopback address (--allow-remote)
+    pid: int
+
+    def to_json(self) -> Json:
+        return {"endpoint": self.endpoint, "build": self.build, "device": self.device, "protocol": self.protocol,
+                "threads": self.threads, "library": self.library.to_json(), "remote_allowed": self.remote_allowed,
+                "pid": self.pid}
+

@@ -23,6 +23,7 @@ This module imports nothing heavy: the parent process is only this.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SUPERVISED = frozenset({"prefill", "bench", "qualify", "diff", "tiny-model", "devices", "kernels"})
+SUPERVISED = frozenset({"prefill", "bench", "qualify", "diff", "tiny-model", "devices", "kernels", "rpc-server"})
+LIVE_NATIVE_OUTPUT = frozenset({"rpc-server"})  # a server's log is passed on as it is written, not at exit
 ENV_WORKER = "DFLASH_WORKER"          # set by the supervisor in the worker: "OUT_FD,ERR_FD,STATE_PATH"
 ENV_STALL = "DFLASH_STALL_TIMEOUT"    # seconds without a stage change before a worker is stopped
 GRACE_SECONDS = 10.0                  # how long an interrupted worker may take to clean up
@@ -39,6 +41,7 @@ GRACE_SECONDS = 10.0                  # how long an interrupted worker may take 
 # state file layout: fixed slots rewritten in place (pwrite), read by the supervisor after exit
 _STAGE_AT, _SCRATCH_AT, _DONE_AT, _STATE_SIZE = 0, 1024, 8192, 8200
 _state_fd: int | None = None
+_SOURCE_PREFIX = re.compile(r"^\S+\.(?:c|cc|cpp|cu|h):\d+: ")  # GGML_ABORT's "file:line: " before its text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,21 +140,34 @@ def _last_native_line(capture: Path) -> str:
         return ""
     lines = [ln.strip() for ln in lines if ln.strip()]
     for ln in reversed(lines):  # an assert or error line beats a trailing backtrace frame
-        if "GGML_ASSERT" in ln or "error" in ln.lower() or "abort" in ln.lower():
-            return ln
-    return lines[-1] if lines else ""
+        if "GGML_ASSERT" in ln or "error" in ln.lower() or "abort" in ln.lower() or " lost: " in ln:
+            return _SOURCE_PREFIX.sub("", ln)
+    return _SOURCE_PREFIX.sub("", lines[-1]) if lines else ""
 
 
-def _relay(capture: Path) -> None:
-    """Pass what llama.cpp wrote to descriptors 1 and 2 on to stderr (a run that ended normally)."""
+def _relay(capture: Path, offset: int = 0) -> int:
+    """Pass what llama.cpp wrote to descriptors 1 and 2 from `offset` on to stderr; returns the new
+    offset (a run that ended normally, or a server's log as it grows)."""
     try:
         with open(capture, "rb") as f:
+            f.seek(offset)
             data = f.read()
     except OSError:
-        return
+        return offset
     if data:
         sys.stderr.buffer.write(data)
         sys.stderr.flush()
+    return offset + len(data)
+
+
+class _Tail:
+    """Relays what a file gained since the last call."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def __call__(self) -> None:
+        self.offset = _relay(self.path, self.offset)
 
 
 def _stall_timeout() -> float | None:
@@ -173,8 +189,9 @@ def _say(kind: str, msg: str) -> None:
     sys.stderr.flush()
 
 
-def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run `cmd` (a dflash worker) under supervision; returns the exit code to use."""
+def supervise(cmd: list[str], env: dict[str, str] | None = None, live: bool = False) -> int:
+    """Run `cmd` (a dflash worker) under supervision; returns the exit code to use. `live` passes
+    llama.cpp's output on while the worker runs (a server's log) instead of after it ends."""
     stall = _stall_timeout()
     workdir = Path(tempfile.mkdtemp(prefix="dflash-worker-"))
     try:
@@ -189,7 +206,10 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
                                     preexec_fn=_die_with_parent)
         os.close(out_fd)
         os.close(err_fd)
-        outcome = _watch(proc, state, stall)
+        tail = _Tail(capture) if live else None
+        outcome = _watch(proc, state, stall, tail)
+        if tail is not None:
+            tail()
         data = state.read_bytes()
         stage_text = _read_slot(data, _STAGE_AT, _SCRATCH_AT) or "start-up"
         scratch = _read_slot(data, _SCRATCH_AT, _DONE_AT)
@@ -206,7 +226,8 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
                           "the worker was stopped")
             return 1
         if done != "" and rc >= 0:  # dflash's own exit path ran and printed whatever it had to say
-            _relay(capture)
+            if not live:
+                _relay(capture)
             return rc
         _remove(scratch)
         native = _last_native_line(capture)
@@ -232,8 +253,9 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _watch(proc: subprocess.Popen, state: Path, stall: float | None) -> str:
-    """Wait for the worker: 'exited', 'interrupted' (and stopped), or 'stalled' (and killed)."""
+def _watch(proc: subprocess.Popen, state: Path, stall: float | None, tick: _Tail | None = None) -> str:
+    """Wait for the worker: 'exited', 'interrupted' (and stopped), or 'stalled' (and killed);
+    `tick` runs between polls."""
     stop_at: list[float] = []
 
     def forward(signum, frame):
@@ -253,6 +275,8 @@ def _watch(proc: subprocess.Popen, state: Path, stall: float | None) -> str:
                 return "interrupted" if stop_at else "exited"
             except subprocess.TimeoutExpired:
                 pass
+            if tick is not None:
+                tick()
             now = time.monotonic()
             if stop_at and now > stop_at[0]:
                 proc.kill()
@@ -294,6 +318,7 @@ def run_cli(argv: list[str]) -> None:
 def main() -> None:
     """The `dflash` entry point."""
     argv = sys.argv[1:]
-    if not become_worker() and worker_command(argv) is not None and "--help" not in argv and "-h" not in argv:
-        sys.exit(supervise([sys.executable, "-m", "dflash", *argv]))
+    command = worker_command(argv)
+    if not become_worker() and command is not None and "--help" not in argv and "-h" not in argv:
+        sys.exit(supervise([sys.executable, "-m", "dflash", *argv], live=command in LIVE_NATIVE_OUTPUT))
     run_cli(argv)

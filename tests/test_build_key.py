@@ -10,7 +10,8 @@ import pytest
 from dflash import build
 from dflash.errors import DflashError
 
-INPUTS = ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "hip_kernels")
+INPUTS = ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "rpc/patches", "hip_kernels")
+RPC = "rpc/patches"
 COMMON = "cpu_kernels/patches/common"
 EXACT = "cpu_kernels/patches/exact"
 
@@ -83,9 +84,10 @@ def test_an_exact_patch_changes_only_the_exact_key(repo):
     assert keys() == before["none"]
 
 
-def test_a_common_patch_changes_both_keys(repo):
+@pytest.mark.parametrize("d", [COMMON, RPC])
+def test_a_common_patch_changes_both_keys(repo, d):
     before = keys()
-    flip_byte(first_patch(repo, COMMON))
+    flip_byte(first_patch(repo, d))
     after = keys()
     assert after["exact"] != before["exact"] and after["stock"] != before["stock"]
 

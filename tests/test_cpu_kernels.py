@@ -30,8 +30,10 @@ def compile_harness(flavor: str, out_dir) -> str:
         pytest.fail("no C++ compiler (apt-get install g++)")
     prefix = build.install_dir(flavor)
     exe = out_dir / f"invariance-{flavor}"
+    # DT_RPATH (not RUNPATH) also serves libggml's own dependencies (libggml-rpc), which carry no rpath
     subprocess.run([cxx, "-O2", "-std=c++17", str(SOURCE), f"-I{prefix / 'include'}", f"-L{prefix / 'lib'}",
-                    "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{prefix / 'lib'}", "-o", str(exe)],
+                    "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,--disable-new-dtags,-rpath,{prefix / 'lib'}",
+                    "-o", str(exe)],
                    check=True, capture_output=True)
     return str(exe)
 

@@ -14,7 +14,7 @@ def test_device_specs(spec, kind, ids):
     assert qualification.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
 
 
-@pytest.mark.parametrize("spec", ["gpu:0", "hip:0,cuda:1", "cuda:x", "cuda:0,cuda:0", "hip:", "cpu,hip:0",
+@pytest.mark.parametrize("spec", ["gpu:0", "hip:0,cuda:1", "cuda:x", "cuda:0,cuda:0", "hip:", "rpc:x",
                                   "cuda", "hip"])
 def test_bad_device_specs_are_usage_errors(spec):
     with pytest.raises(UsageError):

@@ -30,6 +30,7 @@ from dflash.results import (
     QualifyReport,
     QualifyResult,
     RecordRef,
+    RpcServerResult,
     RunCheck,
     Skipped,
     WidthResult,
@@ -113,6 +114,9 @@ def check(v, schema) -> None:
 # The schemas
 
 LIBRARY = {"flavor": STR, "dir": STR}
+# a --device part: local ones by id (GPUs with name and arch), RPC ones with endpoint and build
+DEVICE = {"id": STR, "name": Opt(STR), "arch": Opt(STR), "endpoint": Opt(STR), "server_device": Opt(INT),
+          "build": Opt((STR, NULL)), "flavor": Opt((STR, NULL)), "served_device": Opt((STR, NULL))}
 QUALIFIED = ({"path": STR, "key": STR, "width": INT, "mode": STR}, NULL)
 
 PREFILL = {
@@ -124,7 +128,7 @@ PREFILL = {
     "response_text": STR, "response_sha256": SHA, "warnings": [STR], "uncovered_weight_types": MapOf(INT),
     "q1": ({"logits_sha256": SHA, "response_sha256": SHA, "prefill_seconds": NUM,
             "prefill_tokens_per_second": NUM}, NULL),
-    "identical_to_q1": (BOOL, NULL), "speedup_vs_q1": (NUM, NULL),
+    "identical_to_q1": (BOOL, NULL), "speedup_vs_q1": (NUM, NULL), "devices": [DEVICE], "repack": BOOL,
 }
 
 BENCH_SUMMARY = {  # the evidence's summary.json
@@ -135,7 +139,7 @@ BENCH_SUMMARY = {  # the evidence's summary.json
 }
 BENCH = BENCH_SUMMARY | {
     "n_prompt_tokens": INT, "threads": INT, "library": LIBRARY, "chunk": INT, "qualification": QUALIFIED,
-    "evidence_dir": STR, "manifest_sha256": SHA,
+    "evidence_dir": STR, "manifest_sha256": SHA, "devices": [DEVICE],
 }
 
 SCHEDULE = {"n_bands": INT, "widths": MapOf(INT), "reasons": MapOf(INT)}
@@ -163,7 +167,7 @@ QUALIFY_REPORT = {
     "reference": REFERENCE, "results": [WIDTH_RESULT], "all_exact": BOOL, "largest_exact_cap": INT,
     "largest_exact_width": INT, "recommended_cap": INT, "recommended_bands": BOOL,
     "recommended_mmvq_max_ncols": INT, "recommended_env": MapOf(STR), "recommended_chunk": INT,
-    "recommended_band_mode": STR, "uncovered_weight_types": MapOf(INT),
+    "recommended_band_mode": STR, "uncovered_weight_types": MapOf(INT), "devices": [DEVICE],
 }
 RECORD_REF = {"path": STR, "key": STR, "evidence_file": STR}
 QUALIFY_RESULTS_JSON = QUALIFY_REPORT | {"qualification": RECORD_REF}  # the evidence's results.json
@@ -180,7 +184,7 @@ DIFF = {
     "n_positions_differing": INT, "logits_max_abs_diff": (NUM, NULL), "nodes_identical": BOOL,
     "identical": BOOL, "first_node": (NODE, NULL), "n_compared": INT, "node_positions_differing": INT,
     "differing": [NODE], "n_differing_at_first_position": INT, "model": STR, "library": LIBRARY,
-    "threads": INT, "ignore": (STR, NULL),
+    "threads": INT, "ignore": (STR, NULL), "devices": [DEVICE],
 }
 
 MATRIX_ROW = {
@@ -189,15 +193,20 @@ MATRIX_ROW = {
     "response_sha256": (SHA, NULL), "q1_equals_bands": (BOOL, NULL), "logits_equal_reference": (BOOL, NULL),
     "response_equal_reference": (BOOL, NULL),
     "library": {"flavor": STR, "dir": (STR, NULL)},  # no folder for a row whose process did not run
+    "reference": (STR, NULL), "devices": [DEVICE],
 }
 MATRIX = {"reference": STR, "rows": [MATRIX_ROW], "exact_all_equal": BOOL,
           "skipped": [{"config": STR, "reason": STR}]}
+RPC_SERVER = {"endpoint": STR, "build": STR, "device": STR, "protocol": STR, "threads": INT, "library": LIBRARY,
+              "remote_allowed": BOOL, "pid": INT}
 
 
 # ---------------------------------------------------------------------------------------------
 # Results built in Python
 
 H = ["a" * 64, "b" * 64, "c" * 64, "d" * 64]
+REMOTE = {"id": "rpc:0", "endpoint": "127.0.0.1:50052", "server_device": 0, "build": "exact-0123",
+          "flavor": "exact", "served_device": "cpu"}
 LIB = Library("exact", "/cache/llama/exact-0123/lib")
 
 
@@ -209,6 +218,7 @@ def prefill_result(compared: bool = True) -> PrefillResult:
         prefill_tokens_per_second=18.0, decode_seconds=0.1, prompt_sha256=H[0], logits_sha256=H[1],
         response_tokens=(7, 8), response_tokens_sha256=H[2], response_text="hi", response_sha256=H[3],
         warnings=("a warning",), uncovered_weight_types={"Q6_K": 12, "IQ4_XS": 3},
+        devices=({"id": "cpu"}, REMOTE), repack=False,
         comparison=Q1Comparison(Q1Run(H[1], H[3], 1.0, 9.0), identical=True, speedup=2.0) if compared else None)
 
 
@@ -262,9 +272,12 @@ def diff_result(differs: bool = True) -> DiffResult:
 
 
 def matrix_result() -> MatrixResult:
-    ran = MatrixRow("cpu t1 exact", "cpu", 1, "exact", LIB, None, H[0], H[1], H[0], H[1], True, True, True)
+    ran = MatrixRow("cpu t1 exact", "cpu", 1, "exact", LIB, None, H[0], H[1], H[0], H[1], True, True, True,
+                    "cpu t1 exact", ({"id": "cpu"},))
+    remote = MatrixRow("rpc:0 all layers", "rpc:0", 1, "exact", LIB, None, H[0], H[1], H[0], H[1], True, True, True,
+                       "cpu t1 exact no-repack", (REMOTE,))
     failed = MatrixRow("hip:0 gfx1100", "hip:0", 1, "exact", Library("exact", None), error="no HIP device")
-    return MatrixResult("cpu t1 exact", (ran, failed), (Skipped("hip:0+hip:1 layer split", "needs two"),))
+    return MatrixResult("cpu t1 exact", (ran, remote, failed), (Skipped("hip:0+hip:1 layer split", "needs two"),))
 
 
 BUILT = {
@@ -277,6 +290,8 @@ BUILT = {
     "diff": (diff_result, DIFF),
     "diff, identical": (lambda: diff_result(differs=False), DIFF),
     "matrix": (matrix_result, MATRIX),
+    "rpc-server": (lambda: RpcServerResult("127.0.0.1:50052", "exact-0123", "cpu", "7.0.0", 1, LIB, False, 42),
+                   RPC_SERVER),
 }
 
 
@@ -300,7 +315,7 @@ def test_derived_fields_follow_the_parts():
     assert d["differing"][1]["max_abs_delta"] == "nan"
     assert diff_result(differs=False).to_json()["identical"] is True
     m = matrix_result().to_json()
-    assert [r["ran"] for r in m["rows"]] == [True, False] and m["exact_all_equal"] is False
+    assert [r["ran"] for r in m["rows"]] == [True, True, False] and m["exact_all_equal"] is False
     p = prefill_result(compared=False).to_json()
     assert (p["q1"], p["identical_to_q1"], p["speedup_vs_q1"]) == (None, None, None)
 

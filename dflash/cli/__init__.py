@@ -31,12 +31,13 @@ def _register() -> None:
         plan_cmd,
         prefill_cmd,
         qualify_cmd,
+        rpc_cmd,
         sweep_cmd,
         tiny_cmd,
         verify_cmd,
     )
     for mod in (plan_cmd, prefill_cmd, bench_cmd, sweep_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
-                devices_cmd, tiny_cmd, build_cmd):
+                devices_cmd, tiny_cmd, build_cmd, rpc_cmd):
         for c in getattr(mod, "commands", None) or [mod.command]:
             cli.add_command(c)
 

@@ -13,6 +13,7 @@ from . import output
 from .options import (
     Command,
     chunk_option,
+    connect_remote,
     device_option,
     lib_option,
     model_option,
@@ -38,17 +39,20 @@ from .options import (
               help="Evidence directory to create [default: evidence/runs/bench-<time>-<id>].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, runs, interleave,
-            n_predict, logits_mode, device, evidence_dir, as_json):
+            n_predict, logits_mode, device, rpc, allow_mixed_builds, no_repack, evidence_dir, as_json):
     """A/B/A: q1, the band schedule, q1 again; medians, MAD, gain, drift, hash equality.
 
     Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
     # the candidate arm is a band schedule whatever the env says
-    s = run_settings(True, chunk, lib, model=model, weights=weights, device=device)
+    remote = connect_remote(device, rpc, allow_mixed_builds)
+    s = run_settings(True, chunk, lib, model=model, weights=weights, device=device, remote=remote,
+                     repack=not no_repack)
     text = engine.read_prompt(prompt, prompt_file)
     dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("bench")
     for w in s.warnings():
         output.warn(w)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
+                             repack=not no_repack, log=output.note)
     tokens = eng.tokenize(text)
     with evidence.EvidenceWriter(dest, "bench") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("bench") as progress:
@@ -65,7 +69,7 @@ def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, ru
 
 def show(r: BenchResult) -> None:
     t = Table("arm", "median tok/s", "MAD", "n", title=f"A/B/A prefill, {r.n_prompt_tokens} tokens, "
-              f"{r.threads} threads, {r.library.flavor} library")
+              f"{r.threads} threads, {r.library.flavor} library, {output.describe_devices(r.devices)}")
     s = r.summary
     for a in s.arms:
         t.add_row(a.name, f"{a.median:.1f}", f"{a.mad:.1f}", str(a.n))

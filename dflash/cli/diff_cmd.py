@@ -13,7 +13,16 @@ from .. import bands, diff, engine, settings
 from ..errors import UsageError
 from ..results import DiffResult
 from . import output
-from .options import Command, lib_option, model_option, prompt_options, settings_from, threads_option
+from .options import (
+    Command,
+    connect_remote,
+    device_option,
+    lib_option,
+    model_option,
+    prompt_options,
+    settings_from,
+    threads_option,
+)
 
 
 @click.command("diff", cls=Command, short_help="Name the first graph node that differs between two prefill schedules.",
@@ -30,9 +39,10 @@ from .options import Command, lib_option, model_option, prompt_options, settings
               help="List the first N differing nodes at the first differing position.")
 @click.option("--ignore", default=None, metavar="REGEX",
               help="Do not compare nodes whose name matches this regular expression (re.search).")
+@device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threads, lib, show, ignore,
-            as_json):
+            device, rpc, allow_mixed_builds, no_repack, as_json):
     """Run two prefill schedules with a tap on every F32/I32 graph node and name the first node
     (name, op, position, max |delta|) whose output differs, walking positions in order and nodes
     in graph order. Comparison is bit for bit; max |delta| is a diagnostic.
@@ -52,8 +62,10 @@ def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threa
         except re.error as e:
             raise UsageError(f"--ignore {ignore!r} is not a regular expression: {e}") from None
     text = engine.read_prompt(prompt, prompt_file)
+    remote = connect_remote(device, rpc, allow_mixed_builds)
     s = settings_from(True, settings.MAX_BAND, lib)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, log=output.note)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
+                             repack=not no_repack, log=output.note)
     tokens = eng.tokenize(text)[:n_tokens]
     with output.progress_bar("trace", enabled=not as_json) as bar:
         result = diff.run(eng, tokens, spec_a, spec_b, ignore=ignore, show=show, progress=bar)

@@ -6,6 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .. import engine, gguf_meta, matrix
+from .. import rpc as rpc_mod
 from ..errors import DflashError
 from ..results import MatrixResult
 from . import output
@@ -17,11 +18,18 @@ from .options import Command, chunk_option, run_settings
 @click.option("--prompt-file", default=None, help="Prompt file [default: the built-in prompt].")
 @chunk_option
 @click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True)
+@click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="RPC servers (`dflash rpc-server`): adds rows with every layer remote, the CPU and a remote "
+                   "device split, and two remote devices split.")
+@click.option("--allow-mixed-builds", is_flag=True, help="Use RPC servers running another library build.")
 @click.option("--json", "as_json", is_flag=True)
-def command(model, prompt_file, chunk, n_predict, as_json):
-    """Compare q1 and band fingerprints across CPU threads, exact/stock builds and GPUs.
+def command(model, prompt_file, chunk, n_predict, rpc, allow_mixed_builds, as_json):
+    """Compare q1 and band fingerprints across CPU threads, exact/stock builds, GPUs and RPC servers.
 
-    Exits 1 when any exact-library configuration differs from the reference."""
+    Rows on plain CPU buffers (RPC rows, and their local reference `cpu t1 exact no-repack`) are
+    compared with that reference; the others with `cpu t1 exact`. Exits 1 when any exact-library
+    configuration differs from its reference."""
+    remote = rpc_mod.connect(rpc, [0], allow_mixed_builds) if rpc else None  # one line if a server is down
     # a bad --chunk or env flag, or no record for --chunk N > 4 on the exact CPU library, fails
     # here, not in every row (each row looks up its own library's and device's record)
     if model:
@@ -29,7 +37,8 @@ def command(model, prompt_file, chunk, n_predict, as_json):
     text = engine.read_prompt(None, prompt_file) if prompt_file else None  # read once (standard input too)
     s = run_settings(True, chunk, model=model)
     with output.progress_bar("matrix") as progress:
-        result = matrix.run(n_predict, s.chunk_requested, model=model, prompt=text, progress=progress)
+        result = matrix.run(n_predict, s.chunk_requested, model=model, prompt=text, progress=progress,
+                            remote=remote)
     if as_json:
         output.emit_json(result.to_json())
     else:
@@ -41,7 +50,7 @@ def command(model, prompt_file, chunk, n_predict, as_json):
 def show(r: MatrixResult) -> None:
     yes = lambda b: "[green]=[/green]" if b else "[red]≠[/red]"
     t = Table("configuration", "q1 logits", "band logits", "response", "q1 = bands", "= reference",
-              title=f"fingerprints (reference: {r.reference}, q1)")
+              title=f"fingerprints (reference: {r.reference}, q1; plain-buffer rows: their own, see --help)")
     for d in r.rows:
         if not d.ran or d.q1_logits_sha256 is None or d.logits_sha256 is None or d.response_sha256 is None:
             t.add_row(d.config, "[red]failed[/red]", escape(d.error or ""), "", "", "")

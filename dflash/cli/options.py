@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from .. import engine, qualification, settings, tiny_model
+from .. import devices, engine, qualification, settings, tiny_model
+from .. import rpc as rpc_mod
 from . import output
 
 
@@ -55,9 +56,25 @@ def lib_option(f):
 
 
 def device_option(f):
+    """--device, and the RPC servers its rpc:N devices live on (--rpc, --allow-mixed-builds)."""
+    f = click.option("--no-repack", is_flag=True,
+                     help="Keep weights in plain CPU buffers (no AMX or repacked copies), as llama.cpp's "
+                          "--no-repack: the kernels a CPU served over RPC runs (runs with rpc:N always do).")(f)
+    f = click.option("--allow-mixed-builds", is_flag=True,
+                     help="Use RPC servers that run another library build than this client (exactness is "
+                          "claimed within one build; qualify such a setup).")(f)
+    f = click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                     help="RPC servers (`dflash rpc-server`) whose devices --device names as rpc:N, "
+                          "in this order.")(f)
     return click.option("--device", default="cpu", show_default=True,
-                        help="cpu; hip:N or cuda:N (every layer on that GPU); hip:N,hip:M or cuda:N,cuda:M "
-                             "(layers split across two GPUs).")(f)
+                        help="cpu; hip:N or cuda:N (every layer on that GPU); rpc:N (the N-th device of the "
+                             "--rpc servers); several joined by commas split the layers evenly "
+                             "(hip:0,hip:1; cpu,rpc:0: the CPU takes the first layers; rpc:0,rpc:1).")(f)
+
+
+def connect_remote(device: str, rpc: str | None, allow_mixed_builds: bool) -> rpc_mod.Remote | None:
+    """Parse --device and handshake with every --rpc server before anything is built or loaded."""
+    return rpc_mod.connect(rpc, devices.parse_spec(device).rpc_ids, allow_mixed_builds)
 
 
 CHUNK_HELP = (f"Widest band: 1..{settings.MAX_BAND}, or up to {settings.MAX_CHUNK} or {settings.AUTO} "
@@ -83,12 +100,13 @@ def settings_from(bands, chunk, lib="exact") -> settings.Settings:
 
 
 def run_settings(bands, chunk, lib="exact", *, model=None, weights=tiny_model.DEFAULT_WEIGHTS,
-                 device="cpu") -> settings.Settings:
+                 device="cpu", remote: rpc_mod.Remote | None = None, repack: bool = True) -> settings.Settings:
     """Settings for a run. --chunk auto or N > 4 with bands not turned off first looks up what the
     qualification record of this library, model and device proves (see dflash/qualification.py)."""
     req = settings.parse_chunk(chunk)
     if req is None or not settings.needs_record(req) or bands is False:
         return settings.resolve(bands=bands, chunk=req, lib=lib)
     base = settings.resolve(bands=bands, lib=lib)  # environment and --lib checked before any hashing
-    q = qualification.lookup(base, req, model, weights, device, warn=output.warn, note=output.note)
+    q = qualification.lookup(base, req, model, weights, device, warn=output.warn, note=output.note, remote=remote,
+                             repack=engine.repack_for(devices.parse_spec(device), repack))
     return settings.resolve(bands=bands, chunk=req, lib=lib, qualified=q)

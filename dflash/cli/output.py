@@ -29,6 +29,18 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def describe_devices(devs) -> str:
+    """The devices of a run for people: 'cpu, rpc:0 = 127.0.0.1:50052 (exact-81ad…, serving cpu)'."""
+    parts = []
+    for d in devs:
+        if "endpoint" in d:
+            parts.append(f"{d['id']} = {d['endpoint']} ({d.get('build') or 'unknown build'}, "
+                         f"serving {d.get('served_device') or '?'})")
+        else:
+            parts.append(d["id"] + (f" {d['name']} ({d['arch']})" if d.get("name") else ""))
+    return ", ".join(parts)
+
+
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(_finite(obj), indent=2, allow_nan=False))
 

@@ -8,7 +8,7 @@ from .. import gguf_meta, settings
 from ..bands import FULL, Q1, Band, fixed_bands, plan, positive_ratios, widths
 from ..errors import UsageError
 from . import output
-from .options import Command, chunk_option, device_option, lib_option, run_settings
+from .options import Command, chunk_option, connect_remote, device_option, lib_option, run_settings
 
 DS4_RATIOS = "4,128"
 
@@ -42,7 +42,7 @@ def band_dict(b: Band) -> dict:
 @lib_option
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(n_tokens, start, ratios, model, chunk, bands, lib, device, as_json):
+def command(n_tokens, start, ratios, model, chunk, bands, lib, device, rpc, allow_mixed_builds, no_repack, as_json):
     """Show the prefill bands for N tokens from a position.
 
     --chunk auto or N > 4 needs --model: the qualification record of that model, --lib and
@@ -52,7 +52,8 @@ def command(n_tokens, start, ratios, model, chunk, bands, lib, device, as_json):
     if model is None and bands is not False and settings.needs_record(settings.parse_chunk(chunk)):
         raise UsageError(f"--chunk {chunk} needs --model (with --lib and --device): the qualification "
                          f"record that proves a width is per library, model and device")
-    s = run_settings(bands, chunk, lib, model=model, device=device)
+    remote = connect_remote(device, rpc, allow_mixed_builds)  # records of RPC runs name the servers' builds
+    s = run_settings(bands, chunk, lib, model=model, device=device, remote=remote, repack=not no_repack)
     rs = gguf_meta.read(model).compress_ratios if model else parse_ratios(ratios or DS4_RATIOS)
     if s.fixed:  # the record proved bands of this width across compressor boundaries
         chosen = fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)

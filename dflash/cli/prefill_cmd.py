@@ -9,7 +9,16 @@ from ..errors import DflashError, UsageError
 from ..results import PrefillResult
 from ..settings import ENV_BANDS
 from . import output
-from .options import Command, ctx_option, device_option, model_option, prompt_options, run_options, run_settings
+from .options import (
+    Command,
+    connect_remote,
+    ctx_option,
+    device_option,
+    model_option,
+    prompt_options,
+    run_options,
+    run_settings,
+)
 
 
 @click.command("prefill", cls=Command)
@@ -28,16 +37,19 @@ from .options import Command, ctx_option, device_option, model_option, prompt_op
               help="Also run the q1 schedule and require identical logits and response hashes (exit 1 if not).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_predict, ctx,
-            resume_at, logits_mode, device, compare_q1, as_json):
+            resume_at, logits_mode, device, rpc, allow_mixed_builds, no_repack, compare_q1, as_json):
     """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints."""
-    s = run_settings(bands, chunk, lib, model=model, weights=weights, device=device)
+    remote = connect_remote(device, rpc, allow_mixed_builds)
+    s = run_settings(bands, chunk, lib, model=model, weights=weights, device=device, remote=remote,
+                     repack=not no_repack)
     if compare_q1 and not s.bands:
         raise UsageError(f"--compare-q1 compares a band schedule with q1, but bands are off "
                          f"(set {ENV_BANDS}=1 or pass --bands)")
     text = engine.read_prompt(prompt, prompt_file)
     for w in s.warnings():
         output.warn(w)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
+                             repack=not no_repack, log=output.note)
     for w in eng.narrow_warnings():
         output.warn(w)
     tokens = eng.tokenize(text)
@@ -58,6 +70,8 @@ def _print_human(eng: engine.Engine, r: PrefillResult) -> None:
     o.print(f"model     {r.model} ({r.architecture}), library {r.library.flavor}", highlight=False, markup=False)
     o.print(f"bands     {'on, cap ' + str(s.cap) if s.bands else 'off (q1)'}; widths {summarize_widths(r.widths)}",
             highlight=False, markup=False)
+    if eng.remote is not None:
+        o.print(f"devices   {output.describe_devices(r.devices)}", highlight=False, markup=False)
     if r.qualification:
         q = r.qualification
         o.print(f"proven    width {q.width} ({'fixed-width bands' if r.band_mode == 'fixed' else 'planner bands'}) by "

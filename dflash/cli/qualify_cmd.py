@@ -14,7 +14,16 @@ from ..errors import UsageError
 from ..evidence import EvidenceWriter
 from ..results import QualifyResult, RunCheck
 from . import output
-from .options import Command, device_option, lib_option, model_option, prompt_options, settings_from, threads_option
+from .options import (
+    Command,
+    connect_remote,
+    device_option,
+    lib_option,
+    model_option,
+    prompt_options,
+    settings_from,
+    threads_option,
+)
 
 
 def parse_widths(text: str) -> list[int]:
@@ -44,7 +53,7 @@ def parse_widths(text: str) -> list[int]:
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib, n_predict,
-            evidence_dir, device, as_json):
+            evidence_dir, device, rpc, allow_mixed_builds, no_repack, as_json):
     """Run q1 once and the band planner at every cap in --widths over a prompt that crosses the
     compressor boundaries and the sliding window, with a resumed (unaligned) start and a tail; report
     per width whether the logits of every position are bit-identical to q1's (and the first
@@ -68,8 +77,10 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     or to decode the widest width, or too long for the model's context."""
     ws = parse_widths(widths)
     text = engine.read_prompt(prompt, prompt_file)
+    remote = connect_remote(device, rpc, allow_mixed_builds)
     s = settings_from(True, settings.MAX_BAND, lib)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, log=output.note)
+    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
+                             repack=not no_repack, log=output.note)
     for w in eng.narrow_warnings():
         output.warn(w)
     if prompt is None and prompt_file is None:

@@ -422,3 +422,15 @@ def test_rpc_server_serves_one_local_device():
     if not found:  # the missing-device path (exit 3) before any build or bind
         r = run_dflash("rpc-server", "--device", "hip:0", "--threads", "1")
         assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1 and "no HIP device" in r.stderr
+
+
+def test_the_committed_rpc_bench_evidence_verifies():
+    ev = ROOT / "evidence" / "example-bench-rpc-w64"
+    r = run_dflash("verify", ev, "--manifest-sha256",
+                   "6ef7d33a835deee667d4ced9a48f9631e7a58a4e393c25603fde50ce67909ad8")
+    assert r.returncode == 0, r.stderr
+    d = json.loads((ev / "devices.json").read_text())
+    (remote,) = d["devices"]
+    assert remote["id"] == "rpc:0" and remote["endpoint"] == d["rpc_servers"][0]["endpoint"]
+    assert remote["build"] == Path(json.loads((ev / "library.json").read_text())["dir"]).parent.name
+    assert json.loads((ev / "summary.json").read_text())["hashes_identical"] is True

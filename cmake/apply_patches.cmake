@@ -1,6 +1,7 @@
 # Apply dflash's llama.cpp patch set for one flavor to a private copy of the source tree:
 #   cmake -DSRC=<llama.cpp copy> -DFLAVOR=exact|stock -DREPO=<dflash checkout> -P apply_patches.cmake
-#   cpu_kernels/patches/common/*.patch  every flavor: fixes without which a build does not run
+#   cpu_kernels/patches/common/*.patch  every flavor: fixes without which a build does not run, and
+#                                       the C function dflash reads memory sizes through
 #   cpu_kernels/patches/exact/*.patch   the exact flavor: one kernel family per weight type at
 #                                       every batch width (see cpu_kernels/README.md)
 #   rpc/patches/*.patch                 every flavor: the RPC backend reports its build and names

@@ -110,7 +110,7 @@ def write_evidence(w, provenance: dict[str, dict], options: dict, samples: list[
 
 def bench(eng: Engine, text: str, tokens: list[int], writer, *, warmup: int = 2, runs: int = 5,
           interleave: bool = False, n_predict: int = 8, logits: str = "all", device: str | None = None,
-          progress: Callable[[int, int], None] = lambda d, t: None) -> BenchResult:
+          progress: Callable[[int, int], None] = lambda d, t: None, memory_budget: dict | None = None) -> BenchResult:
     """Run the A/B/A requests, fill the open EvidenceWriter `writer` (provenance, options, every
     request, the summary) and commit it; the result names the evidence and its manifest SHA-256."""
     s = eng.settings
@@ -120,8 +120,9 @@ def bench(eng: Engine, text: str, tokens: list[int], writer, *, warmup: int = 2,
     options = {"chunk": s.chunk, "chunk_requested": s.chunk_requested,
                "band_mode": "fixed" if s.fixed else "planner", "warmup": warmup, "runs": runs,
                "interleave": interleave, "n_predict": n_predict, "logits": logits, "lib": s.lib,
-               "threads": eng.threads, "n_prompt_tokens": len(tokens), "device": device}
+               "threads": eng.threads, "n_prompt_tokens": len(tokens), "device": device,
+               "memory_budget": memory_budget}
     path, manifest_sha = write_evidence(writer, records.provenance(eng, None, text, tokens), options, samples,
                                         widths, summary)
     return BenchResult(summary, len(tokens), eng.threads, Library(s.lib, str(eng.lib_dir)), s.chunk, s.qualified,
-                       str(path), manifest_sha, eng.placement)
+                       str(path), manifest_sha, eng.placement, memory_budget)

@@ -110,6 +110,7 @@ class Engine:
     placement: tuple[dict, ...] = ({"id": "cpu"},)  # every device of --device, as devices_json says
     rpc_warnings: tuple[str, ...] = ()
     repack: bool = True  # weights in llama.cpp's extra buffer types (AMX, repacked); off: --no-repack, RPC runs
+    indexer_shortcut: bool = False  # the library applies DeepSeek-V4's all-pooled indexer shortcut
 
     @property
     def uncovered_weight_types(self) -> dict[str, int]:
@@ -260,11 +261,14 @@ def devices_json(spec: devices.DeviceSpec, remote: Remote | None, gpus: list[dev
 
 def open_engine(settings: Settings, model_path: str | None = None, *, threads: int | None = None,
                 weights: str = tiny_model.DEFAULT_WEIGHTS, device: str = "cpu",
-                remote: Remote | None = None, repack: bool = True, log: Log = lambda s: None) -> Engine:
+                remote: Remote | None = None, repack: bool = True, no_alloc: bool = False,
+                mmap: bool = True, log: Log = lambda s: None) -> Engine:
     """Library, model and placement for a run. `remote` is the handshake with the --rpc servers
     (dflash.rpc.connect, done before anything is loaded); a server running another library build
     is refused here unless the run allows mixed builds. `repack=False` (--no-repack) keeps the
-    weights in plain CPU buffers; a run with RPC devices always does (see repack_for)."""
+    weights in plain CPU buffers; a run with RPC devices always does (see repack_for). `no_alloc`
+    loads the model's metadata and shapes only, for memory estimates (dflash/memory.py); `mmap=False`
+    reads the weights into allocated buffers instead of mapping the file (what those estimate)."""
     quantized = model_path is None and tiny_model.needs_quantizer(weights)
     path = None if quantized else resolve_model(model_path, weights)
     info = gguf_meta.read(path) if path else None  # validates the file before llama.cpp sees it
@@ -289,9 +293,9 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     else:
         placement = gpu_placement(spec.gpu_ids)
     extra = repack_for(spec, repack)
-    model = llama.Model(path, **placement, extra_bufts=extra)
+    model = llama.Model(path, **placement, extra_bufts=extra, no_alloc=no_alloc, mmap=mmap)
     return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), str(spec), archs,
-                  remote, devices_json(spec, remote, gpus), tuple(rpc_warnings), extra)
+                  remote, devices_json(spec, remote, gpus), tuple(rpc_warnings), extra, llama.indexer_shortcut())
 
 
 def repack_for(spec: devices.DeviceSpec, repack: bool = True) -> bool:

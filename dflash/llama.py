@@ -69,6 +69,19 @@ def _preload_ggml(lib_dir: Path) -> None:
             ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
 
 
+def indexer_shortcut() -> bool:
+    """Whether the loaded library applies DeepSeek-V4's all-pooled indexer shortcut: the exact
+    library has it (llama_dflash_indexer_shortcut, from its patch set) and reads
+    DFLASH_DS4_INDEXER_SHORTCUT once; other libraries do not have it."""
+    if _LIB_DIR is None:
+        raise DflashError("llama.cpp library not loaded (call load_library first)")
+    fn = getattr(ctypes.CDLL(str(_LIB_DIR / "libllama.so")), "llama_dflash_indexer_shortcut", None)
+    if fn is None:
+        return False
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn() != 0
+
+
 def supports_gpu() -> bool:
     return bool(_lib().llama_supports_gpu_offload())
 
@@ -215,16 +228,21 @@ class Model:
 
     Placement: n_gpu_layers/main_gpu/tensor_split as llama.cpp takes them; `devices` (ggml device
     handles) restricts offloading to those devices, in that order (RPC devices, a local and a
-    remote device); tensor_split then indexes them."""
+    remote device); tensor_split then indexes them. `no_alloc` loads metadata and tensor shapes
+    only (llama.cpp's no_alloc): contexts on such a model compute what they would allocate
+    (memory()) and cannot decode."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
                  main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[int] | None = None,
-                 extra_bufts: bool = True):
+                 extra_bufts: bool = True, no_alloc: bool = False, mmap: bool = True):
         L = _lib()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
         mp.main_gpu = main_gpu
         mp.use_extra_bufts = extra_bufts
+        mp.no_alloc = no_alloc  # metadata and tensor shapes only: sizes are computed, nothing is read
+        if no_alloc or not mmap:
+            mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: weights read into buffers (no_alloc maps nothing either)
         self._split = None
         self._devices = None
         if devices:
@@ -322,6 +340,21 @@ class Context:
         self.mem = L.llama_get_memory(self.ptr)
         self.batch = L.llama_batch_init(self.max_band, 0, 1)
         self.n_vocab = model.n_vocab
+
+    def memory(self) -> dict[str, int]:
+        """What this context holds, in bytes over every buffer type (for a no_alloc model: what
+        llama.cpp would allocate), from llama_dflash_memory (cpu_kernels/patches/common)."""
+        _lib()
+        assert _LIB_DIR is not None
+        fn = getattr(ctypes.CDLL(str(_LIB_DIR / "libllama.so")), "llama_dflash_memory", None)
+        if fn is None:
+            raise DflashError(f"the llama.cpp library in {_LIB_DIR} cannot report memory sizes "
+                              f"(llama_dflash_memory is part of dflash's builds)")
+        out = (ctypes.c_uint64 * 8)()
+        fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+        fn(self.ptr, out)
+        return dict(zip(("weights", "context", "compute", "kv", "compressed_kv", "indexer_cache",
+                         "compressor_states", "kv_unused_base"), (int(x) for x in out), strict=True))
 
     def clear(self) -> None:
         """Forget every cached token (cache-cold start for the next request)."""

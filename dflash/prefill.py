@@ -192,6 +192,7 @@ def describe(eng: Engine, r: Result, n_ctx: int, comparison: Q1Comparison | None
         bands_on=s.bands, chunk=s.chunk, chunk_requested=s.chunk_requested,
         band_mode="fixed" if s.fixed else "planner", mmvq_max_ncols=s.mmvq_max_ncols, qualification=s.qualified,
         threads=eng.threads, n_ctx=n_ctx, device=eng.device, devices=eng.placement, repack=eng.repack,
+        indexer_shortcut=eng.indexer_shortcut,
         widths=tuple(r.widths),
         n_prompt_tokens=r.n_prompt_tokens, prefill_seconds=r.prefill_seconds,
         prefill_tokens_per_second=r.prefill_tokens_per_second, decode_seconds=r.decode_seconds,

@@ -116,12 +116,13 @@ def proven_mode(verdicts: Iterable[Verdict], width: int) -> str | None:
     return None
 
 
-def widest_proven(verdicts: Iterable[Verdict]) -> tuple[int, str]:
-    """(width, mode) that `--chunk auto` runs: the widest proven width; (1, planner) = q1 if none."""
+def widest_proven(verdicts: Iterable[Verdict], fits: Callable[[int], bool] | None = None) -> tuple[int, str]:
+    """(width, mode) that `--chunk auto` runs: the widest proven width (that `fits`, with
+    --memory-budget); (1, planner) = q1 if none."""
     vs = list(verdicts)
     for v in sorted(vs, key=lambda v: v.width, reverse=True):
         mode = proven_mode(vs, v.width)
-        if mode:
+        if mode and (fits is None or v.width == 1 or fits(v.width)):
             return v.width, mode
     return 1, PLANNER
 
@@ -299,6 +300,8 @@ def library_key(settings: Settings, kind: str = "cpu") -> tuple[str, str]:
     if kind != "cpu":  # on a GPU the library's routing flags decide which kernels run: part of the key
         routing = f"{key}|narrow={int(settings.narrow)}|ncols={settings.mmvq_max_ncols}"
         key = hashlib.sha256(routing.encode()).hexdigest()[:16]
+    if settings.indexer_shortcut != "on":  # another graph (off), or a planted bug (force): not vouched for
+        key = hashlib.sha256(f"{key}|indexer_shortcut={settings.indexer_shortcut}".encode()).hexdigest()[:16]
     return source, key
 
 
@@ -359,7 +362,8 @@ AUTO_WIDTHS = "4,8,16,32,64"  # what the note for `--chunk auto` without a recor
 
 
 def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, device: str,
-           warn: Warn, note: Warn, remote: Remote | None = None, repack: bool = True) -> Qualified | None:
+           warn: Warn, note: Warn, remote: Remote | None = None, repack: bool = True,
+           fits: Callable[[int], bool] | None = None) -> Qualified | None:
     """What the record of this library, model and device (and RPC servers' builds) proves for
     --chunk `chunk` (auto or N > 4). No proof: N > 4 is a UsageError naming the qualify command;
     auto notes that it runs 4."""
@@ -369,7 +373,7 @@ def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, de
         if isinstance(chunk, int):
             width, mode = chunk, proven_mode(rec.widths, chunk)
         else:
-            width, mode = widest_proven(rec.widths)
+            width, mode = widest_proven(rec.widths, fits)
         if mode:
             return Qualified(str(record_path(rec.identity)), rec.identity.key, width, mode)
     cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == AUTO else str(chunk), remote,

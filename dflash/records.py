@@ -137,6 +137,7 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
                           "threads": eng.threads,
                           "flash_attn": {None: "auto", True: "on", False: "off"}[eng.flash_attn],
                           "extra_buffer_types": eng.repack,
+                          "indexer_shortcut": {"mode": s.indexer_shortcut, "applied": eng.indexer_shortcut},
                           "mmvq_from": s.mmvq_from, "env_as_given": dict(s.env_raw),
                           "env_exported": s.library_env()},
         "machine.json": machine_facts(),

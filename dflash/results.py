@@ -12,6 +12,7 @@ row's hashes when its process did not run, `fixed_width` at width 1).
     DiffResult      dflash diff
     MatrixResult    dflash matrix
     RpcServerResult dflash rpc-server   (printed once the server answers its own handshake)
+    MemoryResult    dflash memory       (rows: dflash.memory.MemoryRow)
 
 `library` has one shape everywhere: Library, {"flavor": "exact"|"stock", "dir": <folder>|null}.
 """
@@ -107,6 +108,8 @@ class PrefillResult:
     uncovered_weight_types: dict[str, int] = field(default_factory=dict)  # outside the narrow path (hip only)
     devices: tuple[Json, ...] = ({"id": "cpu"},)  # every --device part; RPC ones with endpoint and build
     repack: bool = True   # weights in llama.cpp's extra CPU buffer types (AMX, repacked); --no-repack, RPC: no
+    indexer_shortcut: bool = False  # the loaded library applies DeepSeek-V4's all-pooled indexer shortcut
+    memory_budget: Json | None = None  # --memory-budget: the budget, the width and its no_alloc estimate
 
     def to_json(self) -> Json:
         return {
@@ -124,6 +127,7 @@ class PrefillResult:
             "warnings": list(self.warnings),
             "uncovered_weight_types": dict(self.uncovered_weight_types),
             "devices": [dict(d) for d in self.devices], "repack": self.repack,
+            "indexer_shortcut": self.indexer_shortcut, "memory_budget": self.memory_budget,
             **(self.comparison.to_json() if self.comparison is not None else _NO_COMPARISON),
         }
 
@@ -163,7 +167,9 @@ class PrefillResult:
             response_tokens_sha256=f.text("response_tokens_sha256"), response_text=f.text("response_text"),
             response_sha256=f.text("response_sha256"), warnings=f.texts("warnings"), comparison=comparison,
             uncovered_weight_types=f.counts("uncovered_weight_types") if "uncovered_weight_types" in f.d else {},
-            devices=tuple(f.objects("devices")), repack=f.boolean("repack"))
+            devices=tuple(f.objects("devices")), repack=f.boolean("repack"),
+            indexer_shortcut=f.boolean("indexer_shortcut"),
+            memory_budget=f.get("memory_budget", (dict,), nullable=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,10 +224,12 @@ class BenchResult:
     evidence_dir: str
     manifest_sha256: str
     devices: tuple[Json, ...] = ({"id": "cpu"},)
+    memory_budget: Json | None = None
 
     def to_json(self) -> Json:
         return {**self.summary.to_json(), "n_prompt_tokens": self.n_prompt_tokens, "threads": self.threads,
                 "library": self.library.to_json(), "chunk": self.chunk, "devices": [dict(d) for d in self.devices],
+                "memory_budget": self.memory_budget,
                 "qualification": _qualification(self.qualification),
                 "evidence_dir": self.evidence_dir, "manifest_sha256": self.manifest_sha256}
 
@@ -594,4 +602,25 @@ class RpcServerResult:
         return {"endpoint": self.endpoint, "build": self.build, "device": self.device, "protocol": self.protocol,
                 "threads": self.threads, "library": self.library.to_json(), "remote_allowed": self.remote_allowed,
                 "pid": self.pid}
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+@dataclass(frozen=True)
+class MemoryResult:
+    """What llama.cpp allocates (or would) for a context at each band width."""
+    model: str
+    architecture: str
+    n_ctx: int
+    measured: bool                 # True: real allocations; False: llama.cpp's no_alloc estimate
+    library: Library
+    device: str
+    indexer_rows: int | None       # pooled rows an indexer scores per token at the end of the context
+    rows: tuple[Any, ...]          # dflash.memory.MemoryRow, one per width
+
+    def to_json(self) -> Json:
+        return {"model": self.model, "architecture": self.architecture, "n_ctx": self.n_ctx,
+                "measured": self.measured, "library": self.library.to_json(), "device": self.device,
+                "indexer_rows": self.indexer_rows, "rows": [r.to_json() for r in self.rows]}
 

@@ -5,6 +5,9 @@ Flags:
   LUCE_MMVQ_MAX_NCOLS             narrow-kernel ceiling; <= 0 means 8, above 8 means 8
   DFLASH_NARROW_MMVQ              boolean, default on: 0 turns every dflash hook of a HIP build off
                                   (ggml's stock routing, for A/B runs)
+  DFLASH_DS4_INDEXER_SHORTCUT     boolean, default on (the exact library): skip DeepSeek-V4's indexer
+                                  query, scoring and top-k while every pooled row fits in the top-k;
+                                  `force` applies it always (wrong: a planted bug for negative controls)
   DFLASH_LLAMA_LIB_DIR            load libllama.so from this folder instead of the built one
   DFLASH_LLAMA_VERBOSE            boolean: pass llama.cpp's log through to stderr
   DFLASH_DEBUG                    boolean: tracebacks instead of one-line errors (read by the CLI
@@ -28,10 +31,12 @@ from .paths import FLAVORS
 ENV_BANDS = "DFLASH_DS4_EXACT_PREFILL_BANDS"
 ENV_MMVQ = "LUCE_MMVQ_MAX_NCOLS"
 ENV_NARROW = "DFLASH_NARROW_MMVQ"
+ENV_SHORTCUT = "DFLASH_DS4_INDEXER_SHORTCUT"
 ENV_LIB_DIR = "DFLASH_LLAMA_LIB_DIR"
 ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
-ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_LIB_DIR, ENV_VERBOSE)
+ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_LIB_DIR, ENV_VERBOSE)
+SHORTCUT_MODES = ("on", "off", "force")  # DFLASH_DS4_INDEXER_SHORTCUT: a boolean, or force
 
 MAX_BAND = 4               # widest band the narrow kernels serve (--chunk without a record)
 MAX_CHUNK = 512            # widest --chunk a qualification record can prove
@@ -115,6 +120,7 @@ class Settings:
     chunk_requested: Chunk = MAX_BAND  # --chunk as given (AUTO or an int)
     qualified: Qualified | None = None  # the record behind a width > 4 or auto
     narrow: bool = True               # DFLASH_NARROW_MMVQ: the HIP build's dflash hooks on
+    indexer_shortcut: str = "on"      # DFLASH_DS4_INDEXER_SHORTCUT: on, off, or force (a planted bug)
 
     @property
     def fixed(self) -> bool:
@@ -133,8 +139,10 @@ class Settings:
 
     def library_env(self) -> dict[str, str]:
         """What llama.cpp's process must see: the effective narrow ceiling and whether the narrow
-        hooks are on (a HIP build reads both, once)."""
-        return {ENV_MMVQ: str(self.mmvq_max_ncols), ENV_NARROW: "1" if self.narrow else "0"}
+        hooks are on (a HIP build reads both, once), and the indexer shortcut's mode (the exact
+        library reads it once)."""
+        return {ENV_MMVQ: str(self.mmvq_max_ncols), ENV_NARROW: "1" if self.narrow else "0",
+                ENV_SHORTCUT: {"on": "1", "off": "0", "force": "force"}[self.indexer_shortcut]}
 
     def warnings(self) -> list[str]:
         if self.leaves_narrow_path and self.qualified is None:  # a record proves what it runs
@@ -197,7 +205,10 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
         raise UsageError(f"{ENV_LIB_DIR} replaces the exact library; unset it to run --lib {lib}")
     verbose = bool(env_bool(ENV_VERBOSE, env))
     narrow = env_bool(ENV_NARROW, env) is not False  # unset or empty: on
+    raw_shortcut = env.get(ENV_SHORTCUT, "").strip().lower()
+    shortcut = ("force" if raw_shortcut == "force" else
+                "off" if env_bool(ENV_SHORTCUT, env) is False else "on")  # unset or empty: on
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
-                    chunk_requested=requested, qualified=qualified, narrow=narrow)
+                    chunk_requested=requested, qualified=qualified, narrow=narrow, indexer_shortcut=shortcut)

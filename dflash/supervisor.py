@@ -32,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SUPERVISED = frozenset({"prefill", "bench", "qualify", "diff", "tiny-model", "devices", "kernels", "rpc-server"})
+SUPERVISED = frozenset({"prefill", "bench", "qualify", "diff", "tiny-model", "devices", "kernels", "rpc-server",
+                        "memory"})
 LIVE_NATIVE_OUTPUT = frozenset({"rpc-server"})  # a server's log is passed on as it is written, not at exit
 ENV_WORKER = "DFLASH_WORKER"          # set by the supervisor in the worker: "OUT_FD,ERR_FD,STATE_PATH"
 ENV_STALL = "DFLASH_STALL_TIMEOUT"    # seconds without a stage change before a worker is stopped

@@ -61,6 +61,11 @@ SEED_MAX = 2**32 - 1
 WRITER_VERSION = 1
 
 
+MAX_IDX_HEADS = 128             # indexer heads
+IDX_DIMS = (64, 128, 256)       # indexer key length: >= n_rot, a power of two (its Hadamard rotation)
+MAX_TOP_K = 65536               # indexer top-k
+
+
 @dataclass(frozen=True)
 class TinyConfig:
     weights: str = DEFAULT_WEIGHTS
@@ -94,6 +99,12 @@ class TinyConfig:
         object.__setattr__(self, "seed", int(self.seed))  # a numpy integer keys the cache as an int
         if any(r not in (0, 4, 128) for r in self.ratios) or 4 not in self.ratios:
             raise ValueError("ratios must be 0/4/128 with at least one ratio-4 layer")
+        if not 1 <= self.idx_heads <= MAX_IDX_HEADS:
+            raise ValueError(f"idx_heads must be in 1..{MAX_IDX_HEADS}, not {self.idx_heads!r}")
+        if self.idx_dim not in IDX_DIMS:  # at least the rope part; a power of two (its Hadamard rotation)
+            raise ValueError(f"idx_dim must be one of {', '.join(map(str, IDX_DIMS))}, not {self.idx_dim!r}")
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in 1..{MAX_TOP_K}, not {self.top_k!r}")
 
     @property
     def file_name(self) -> str:
@@ -162,7 +173,39 @@ def _write_atomic(path: Path, cfg: TinyConfig, quantize: Quantizer | None,
                 os.unlink(tmp)
 
 
-def _write(gguf, QT, out: str, c: TinyConfig) -> None:
+def ds4_flash_shapes() -> TinyConfig:
+    """DeepSeek-V4 Flash's published shapes (its GGUF metadata): 43 layers (two sliding-window-only,
+    then ratio 4 and ratio 128 alternating), hidden 4096, 64 heads of 512 (64 rotary), q LoRA 1024,
+    output LoRA 1024 in 8 groups, sliding window 128, 256 routed experts of 2048 (6 used, 1 shared,
+    3 hash-routed layers), indexer 64 heads of 128 with top-k 512, vocabulary 129,280, context
+    1,048,576. For `write_shapes` only: a model this size is not written with weights."""
+    return TinyConfig(weights="mxfp4", ratios=(0, 0) + (4, 128) * 20 + (4,), n_vocab=129280, n_embd=4096,
+                      n_head=64, head_dim=512, n_rot=64, q_lora=1024, o_groups=8, o_lora=1024, idx_heads=64,
+                      idx_dim=128, top_k=512, sliding_window=128, n_expert=256, n_expert_used=6, n_ff_exp=2048,
+                      n_shared=1, hash_layers=3, n_ctx_train=1048576)
+
+
+def write_shapes(path: str | os.PathLike, cfg: TinyConfig) -> Path:
+    """A GGUF with `cfg`'s metadata and tensor shapes and no weights: the data section is a sparse
+    hole of the right size (nothing is written to disk for it, reads give zeros). llama.cpp loads
+    it with no_alloc for memory estimates (`dflash memory`); it cannot be run meaningfully."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp(path.parent)
+    try:
+        _write(gguf, QT, tmp, cfg, shapes_only=True)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _write(gguf, QT, out: str, c: TinyConfig, shapes_only: bool = False) -> None:
     rng = np.random.default_rng(c.seed)
     types = _types(c.weights)
     n_layer = len(c.ratios)
@@ -201,14 +244,18 @@ def _write(gguf, QT, out: str, c: TinyConfig) -> None:
     w.add_token_scores([0.0] * c.n_vocab)
 
     def add(name, shape, qtype, std=None, norm=False, values=None):
+        if qtype not in (QT.F32, QT.F16, QT.BF16) and shape[-1] % 32:
+            qtype = QT.F16
+        if shapes_only:
+            nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+            return
         if values is None:
             if norm:
                 values = 1.0 + 0.1 * rng.standard_normal(shape)
             else:
                 values = (std if std is not None else 1.0 / np.sqrt(shape[-1])) * rng.standard_normal(shape)
         values = np.ascontiguousarray(values, dtype=np.float32)
-        if qtype not in (QT.F32, QT.F16, QT.BF16) and shape[-1] % 32:
-            qtype = QT.F16
         if qtype == QT.F32:
             w.add_tensor(name, values)
         elif qtype == QT.F16:
@@ -254,7 +301,10 @@ def _write(gguf, QT, out: str, c: TinyConfig) -> None:
             add(b + "indexer_compressor_ape.weight", (4, 2 * c.idx_dim), f32, std=0.5)
             add(b + "indexer_compressor_norm.weight", (c.idx_dim,), f32, norm=True)
         add(b + "ffn_gate_inp.weight", (c.n_expert, c.n_embd), types["router"])
-        if i < c.hash_layers:
+        if i < c.hash_layers and shapes_only:
+            shape = (c.n_vocab, c.n_expert_used)
+            w.add_tensor_info(b + "ffn_gate_tid2eid.weight", shape, np.dtype(np.int32), 4 * c.n_vocab * c.n_expert_used)
+        elif i < c.hash_layers:
             tid2eid = np.stack([rng.permutation(c.n_expert)[:c.n_expert_used] for _ in range(c.n_vocab)])
             w.add_tensor(b + "ffn_gate_tid2eid.weight", tid2eid.astype(np.int32))
         else:
@@ -268,7 +318,16 @@ def _write(gguf, QT, out: str, c: TinyConfig) -> None:
         add(b + "ffn_down_shexp.weight", (c.n_embd, c.n_ff_exp * c.n_shared), dense)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    if shapes_only:  # tensor infos, then a hole as large as the data section
+        w.write_ti_data_to_file()
+        assert w.fout is not None
+        (fout,) = w.fout
+        w.write_padding(fout, fout.tell())
+        data = sum(w.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
+        fout.flush()
+        fout.truncate(fout.tell() + data)
+    else:
+        w.write_tensors_to_file()
     w.close()
 
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from dflash import memory
 from dflash.errors import DflashError
 from dflash.results import (
     ArmStats,
@@ -23,6 +24,7 @@ from dflash.results import (
     Library,
     MatrixResult,
     MatrixRow,
+    MemoryResult,
     PrefillResult,
     Q1Comparison,
     Q1Run,
@@ -115,6 +117,10 @@ def check(v, schema) -> None:
 
 LIBRARY = {"flavor": STR, "dir": STR}
 # a --device part: local ones by id (GPUs with name and arch), RPC ones with endpoint and build
+MEMORY_ROW = {"width": INT, "total_bytes": INT, "weights_bytes": INT, "context_bytes": INT, "kv_bytes": INT,
+              "compressed_kv_bytes": INT, "indexer_cache_bytes": INT,
+              "compressor_state_bytes": INT, "compute_bytes": INT, "indexer_scores_bytes": (INT, NULL)}
+BUDGET = {"budget_bytes": INT, "n_ctx": INT, "width": INT, "total_bytes": INT, "estimate": MEMORY_ROW}
 DEVICE = {"id": STR, "name": Opt(STR), "arch": Opt(STR), "endpoint": Opt(STR), "server_device": Opt(INT),
           "build": Opt((STR, NULL)), "flavor": Opt((STR, NULL)), "served_device": Opt((STR, NULL))}
 QUALIFIED = ({"path": STR, "key": STR, "width": INT, "mode": STR}, NULL)
@@ -129,6 +135,7 @@ PREFILL = {
     "q1": ({"logits_sha256": SHA, "response_sha256": SHA, "prefill_seconds": NUM,
             "prefill_tokens_per_second": NUM}, NULL),
     "identical_to_q1": (BOOL, NULL), "speedup_vs_q1": (NUM, NULL), "devices": [DEVICE], "repack": BOOL,
+    "indexer_shortcut": BOOL, "memory_budget": (BUDGET, NULL),
 }
 
 BENCH_SUMMARY = {  # the evidence's summary.json
@@ -139,7 +146,7 @@ BENCH_SUMMARY = {  # the evidence's summary.json
 }
 BENCH = BENCH_SUMMARY | {
     "n_prompt_tokens": INT, "threads": INT, "library": LIBRARY, "chunk": INT, "qualification": QUALIFIED,
-    "evidence_dir": STR, "manifest_sha256": SHA, "devices": [DEVICE],
+    "evidence_dir": STR, "manifest_sha256": SHA, "devices": [DEVICE], "memory_budget": (BUDGET, NULL),
 }
 
 SCHEDULE = {"n_bands": INT, "widths": MapOf(INT), "reasons": MapOf(INT)}
@@ -197,6 +204,8 @@ MATRIX_ROW = {
 }
 MATRIX = {"reference": STR, "rows": [MATRIX_ROW], "exact_all_equal": BOOL,
           "skipped": [{"config": STR, "reason": STR}]}
+MEMORY = {"model": STR, "architecture": STR, "n_ctx": INT, "measured": BOOL, "library": LIBRARY, "device": STR,
+          "indexer_rows": (INT, NULL), "rows": [MEMORY_ROW]}
 RPC_SERVER = {"endpoint": STR, "build": STR, "device": STR, "protocol": STR, "threads": INT, "library": LIBRARY,
               "remote_allowed": BOOL, "pid": INT}
 
@@ -290,6 +299,9 @@ BUILT = {
     "diff": (diff_result, DIFF),
     "diff, identical": (lambda: diff_result(differs=False), DIFF),
     "matrix": (matrix_result, MATRIX),
+    "memory": (lambda: MemoryResult("/m.gguf", "deepseek4", 2048, False, LIB, "cpu", 512, (
+        memory.row(4, {"weights": 5, "context": 11, "compute": 3, "kv": 2, "compressed_kv": 3, "indexer_cache": 1,
+                       "compressor_states": 1, "kv_unused_base": 4}, 512),)), MEMORY),
     "rpc-server": (lambda: RpcServerResult("127.0.0.1:50052", "exact-0123", "cpu", "7.0.0", 1, LIB, False, 42),
                    RPC_SERVER),
 }
@@ -426,7 +438,8 @@ def outputs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("schemas")
     return {
         "prefill": run_json_rc("prefill", "--threads", 1, "--n-predict", 2, "--bands", "--compare-q1"),
-        "prefill without --compare-q1": run_json_rc("prefill", "--threads", 1, "--n-predict", 2),
+        "prefill without --compare-q1": run_json_rc("prefill", "--threads", 1, "--n-predict", 2,
+                                                    "--memory-budget", "1GiB"),
         "bench": run_json_rc("bench", "--threads", 1, "--runs", 1, "--warmup", 0, "--n-predict", 2,
                              "--evidence", tmp / "bench"),
         # cap 2 is cut at resume point 127 (127 % 4 == 3): the plan has a 'start' band there
@@ -434,11 +447,12 @@ def outputs(tmp_path_factory):
                                "--evidence", tmp / "qualify"),
         "diff": run_json_rc("diff", "--threads", 1, "--n-tokens", 16, "--lib", "stock", "--b", "w2", "--show", 3),
         "matrix": run_json_rc("matrix", "--n-predict", 2),
+        "memory": run_json_rc("memory", "--threads", 1, "--ctx", 512, "--widths", "1,4"),
     }
 
 
 REAL = {"prefill": PREFILL, "prefill without --compare-q1": PREFILL, "bench": BENCH, "qualify": QUALIFY,
-        "diff": DIFF, "matrix": MATRIX}
+        "diff": DIFF, "matrix": MATRIX, "memory": MEMORY}
 
 
 @pytest.mark.parametrize("name", list(REAL))
@@ -450,6 +464,7 @@ def test_outputs_exercise_the_optional_parts(outputs):
     """The real runs fill the parts a schema allows to be null, so their types are checked too."""
     assert outputs["prefill"]["identical_to_q1"] is True and outputs["prefill"]["q1"] is not None
     assert outputs["prefill without --compare-q1"]["q1"] is None
+    assert outputs["prefill without --compare-q1"]["memory_budget"]["budget_bytes"] == 2**30
     q = outputs["qualify"]
     assert [r["width"] for r in q["results"]] == [1, 2] and q["results"][1]["fixed_width"] is not None
     d = outputs["diff"]

@@ -63,10 +63,24 @@ def test_ceiling_above_eight_is_eight_like_the_hip_library():
 def test_raw_flags_are_kept_and_effective_ones_exported():
     s = settings.resolve({settings.ENV_BANDS: "yes", settings.ENV_MMVQ: "0", "UNRELATED": "x"})
     assert dict(s.env_raw) == {settings.ENV_BANDS: "yes", settings.ENV_MMVQ: "0"}
-    assert s.library_env() == {settings.ENV_MMVQ: "8", settings.ENV_NARROW: "1"}
+    assert s.library_env() == {settings.ENV_MMVQ: "8", settings.ENV_NARROW: "1", settings.ENV_SHORTCUT: "1"}
 
 
 def test_verbose_and_debug_flags():
     assert settings.resolve({settings.ENV_VERBOSE: "on"}).verbose and not settings.resolve({}).verbose
     assert settings.debug_flag({settings.ENV_DEBUG: "1"}) and not settings.debug_flag({settings.ENV_DEBUG: "false"})
     assert not settings.debug_flag({})
+
+
+@pytest.mark.parametrize("raw,mode,exported", [
+    (None, "on", "1"), ("", "on", "1"), ("1", "on", "1"), ("off", "off", "0"), ("0", "off", "0"),
+    ("force", "force", "force"), (" FORCE ", "force", "force")])
+def test_the_indexer_shortcut_flag(raw, mode, exported):
+    env = {} if raw is None else {settings.ENV_SHORTCUT: raw}
+    s = settings.resolve(env)
+    assert s.indexer_shortcut == mode and s.library_env()[settings.ENV_SHORTCUT] == exported
+
+
+def test_a_malformed_indexer_shortcut_flag_is_a_usage_error():
+    with pytest.raises(UsageError, match=settings.ENV_SHORTCUT):
+        settings.resolve({settings.ENV_SHORTCUT: "sometimes"})

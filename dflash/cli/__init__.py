@@ -28,6 +28,7 @@ def _register() -> None:
         devices_cmd,
         diff_cmd,
         matrix_cmd,
+        memory_cmd,
         plan_cmd,
         prefill_cmd,
         qualify_cmd,
@@ -37,7 +38,7 @@ def _register() -> None:
         verify_cmd,
     )
     for mod in (plan_cmd, prefill_cmd, bench_cmd, sweep_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
-                devices_cmd, tiny_cmd, build_cmd, rpc_cmd):
+                devices_cmd, tiny_cmd, build_cmd, rpc_cmd, memory_cmd):
         for c in getattr(mod, "commands", None) or [mod.command]:
             cli.add_command(c)
 

@@ -12,13 +12,14 @@ from ..results import BenchResult
 from . import output
 from .options import (
     Command,
+    budgeted_settings,
     chunk_option,
     connect_remote,
     device_option,
     lib_option,
+    memory_budget_option,
     model_option,
     prompt_options,
-    run_settings,
     threads_option,
 )
 
@@ -35,19 +36,21 @@ from .options import (
 @click.option("--n-predict", type=click.IntRange(min=0), default=8, show_default=True)
 @click.option("--logits", "logits_mode", type=click.Choice(["all", "last"]), default="all", show_default=True)
 @device_option
+@memory_budget_option
 @click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to create [default: evidence/runs/bench-<time>-<id>].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, runs, interleave,
-            n_predict, logits_mode, device, rpc, allow_mixed_builds, no_repack, evidence_dir, as_json):
+            n_predict, logits_mode, device, rpc, allow_mixed_builds, no_repack, memory_budget, evidence_dir, as_json):
     """A/B/A: q1, the band schedule, q1 again; medians, MAD, gain, drift, hash equality.
 
     Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
     # the candidate arm is a band schedule whatever the env says
     remote = connect_remote(device, rpc, allow_mixed_builds)
-    s = run_settings(True, chunk, lib, model=model, weights=weights, device=device, remote=remote,
-                     repack=not no_repack)
     text = engine.read_prompt(prompt, prompt_file)
+    s, budget_json = budgeted_settings(memory_budget, text, True, chunk, lib, model=model, weights=weights,
+                                       device=device, remote=remote, repack=not no_repack, threads=threads,
+                                       n_predict=n_predict, ctx=None)
     dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("bench")
     for w in s.warnings():
         output.warn(w)
@@ -57,7 +60,8 @@ def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, ru
     with evidence.EvidenceWriter(dest, "bench") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("bench") as progress:
             result = bench.bench(eng, text, tokens, writer, warmup=warmup, runs=runs, interleave=interleave,
-                                 n_predict=n_predict, logits=logits_mode, device=device, progress=progress)
+                                 n_predict=n_predict, logits=logits_mode, device=device, progress=progress,
+                                 memory_budget=budget_json)
     if as_json:
         output.emit_json(result.to_json())
     else:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import click
 
-from .. import devices, engine, qualification, settings, tiny_model
+from .. import devices, engine, memory, qualification, settings, tiny_model
 from .. import rpc as rpc_mod
+from ..errors import UsageError
 from . import output
 
 
@@ -100,13 +101,80 @@ def settings_from(bands, chunk, lib="exact") -> settings.Settings:
 
 
 def run_settings(bands, chunk, lib="exact", *, model=None, weights=tiny_model.DEFAULT_WEIGHTS,
-                 device="cpu", remote: rpc_mod.Remote | None = None, repack: bool = True) -> settings.Settings:
+                 device="cpu", remote: rpc_mod.Remote | None = None, repack: bool = True,
+                 budget: memory.Budget | None = None) -> settings.Settings:
     """Settings for a run. --chunk auto or N > 4 with bands not turned off first looks up what the
-    qualification record of this library, model and device proves (see dflash/qualification.py)."""
+    qualification record of this library, model and device proves (see dflash/qualification.py).
+    With a --memory-budget, auto takes the widest proven width that fits it (without a record: 4,
+    or the widest narrower one that fits), and a width that does not fit is a usage error."""
+    s = _run_settings(bands, chunk, lib, model=model, weights=weights, device=device, remote=remote,
+                      repack=repack, budget=budget)
+    if budget is None:
+        return s
+    if s.chunk_requested == settings.AUTO and s.qualified is None and s.bands:
+        fitting = [w for w in range(s.chunk, 0, -1) if budget.fits(w)]  # 4, 3, 2, 1: no record needed
+        if fitting and fitting[0] != s.chunk:
+            output.note(f"--chunk auto: width {s.chunk} does not fit --memory-budget, running {fitting[0]}")
+            s = settings.resolve(bands=True, chunk=fitting[0], lib=lib)
+    budget.require(s.cap)
+    return s
+
+
+def _run_settings(bands, chunk, lib, *, model, weights, device, remote, repack, budget) -> settings.Settings:
     req = settings.parse_chunk(chunk)
     if req is None or not settings.needs_record(req) or bands is False:
         return settings.resolve(bands=bands, chunk=req, lib=lib)
     base = settings.resolve(bands=bands, lib=lib)  # environment and --lib checked before any hashing
     q = qualification.lookup(base, req, model, weights, device, warn=output.warn, note=output.note, remote=remote,
-                             repack=engine.repack_for(devices.parse_spec(device), repack))
+                             repack=engine.repack_for(devices.parse_spec(device), repack),
+                             fits=budget.fits if budget is not None else None)
     return settings.resolve(bands=bands, chunk=req, lib=lib, qualified=q)
+
+
+def parse_widths(text: str) -> list[int]:
+    """--widths: distinct band widths in 1..512, sorted."""
+    try:
+        ws = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"--widths {text!r} is malformed (use e.g. 2,3,4)") from None
+    if not ws or ws[0] < 1 or ws[-1] > settings.MAX_CHUNK:
+        raise UsageError(f"--widths {text!r}: widths must be in 1..{settings.MAX_CHUNK}")
+    return ws
+
+
+def memory_budget_option(f):
+    return click.option("--memory-budget", default=None, metavar="SIZE",
+                        help="Bytes the run may allocate (weights, caches, compute; e.g. 96GiB): --chunk auto "
+                             "takes the widest proven width that fits, a width that does not fit exits 2.")(f)
+
+
+def open_budget(memory_budget: str | None, text: str, *, bands, chunk, model, weights, device, remote, repack, lib,
+                threads, n_predict: int, ctx: int | None) -> memory.Budget | None:
+    """--memory-budget: the request's context sized by llama.cpp's no_alloc estimate (the model's
+    metadata only, before its weights load) for the widths a run may pick. None without a budget.
+    The estimate loads the library the run then uses, with the same flags exported (a library
+    reads them once): bands on exactly when the run's will be."""
+    if memory_budget is None:
+        return None
+    limit = memory.parse_size(memory_budget)
+    on = True if bands is None and settings.needs_record(settings.parse_chunk(chunk)) else bands
+    est = engine.open_engine(settings.resolve(bands=on, lib=lib), model, threads=threads, weights=weights,
+                             device=device, remote=remote, repack=repack, no_alloc=True, mmap=False, log=output.note)
+    n_ctx = est.context_size(len(est.tokenize(text)), n_predict, ctx)
+    return memory.Budget(est, n_ctx, limit)
+
+
+def budgeted_settings(memory_budget: str | None, text: str, bands, chunk, lib, *, model, weights, device, remote,
+                      repack: bool, threads, n_predict: int, ctx: int | None) -> tuple[settings.Settings, dict | None]:
+    """run_settings under --memory-budget (when given), and the budget's record for --json and
+    evidence (None without one). The estimate's model is freed before the run loads its own."""
+    budget = open_budget(memory_budget, text, bands=bands, chunk=chunk, model=model, weights=weights, device=device,
+                         remote=remote, repack=repack, lib=lib, threads=threads, n_predict=n_predict, ctx=ctx)
+    try:
+        s = run_settings(bands, chunk, lib, model=model, weights=weights, device=device, remote=remote, repack=repack,
+                         budget=budget)
+        return s, budget.to_json(s.cap) if budget is not None else None
+    finally:
+        if budget is not None:
+            budget.close()
+

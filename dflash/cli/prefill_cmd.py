@@ -1,6 +1,8 @@
 """`dflash prefill`: one request through the band schedule, with fingerprints and timings."""
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from .. import engine, prefill
@@ -11,13 +13,14 @@ from ..settings import ENV_BANDS
 from . import output
 from .options import (
     Command,
+    budgeted_settings,
     connect_remote,
     ctx_option,
     device_option,
+    memory_budget_option,
     model_option,
     prompt_options,
     run_options,
-    run_settings,
 )
 
 
@@ -33,19 +36,21 @@ from .options import (
 @click.option("--logits", "logits_mode", type=click.Choice(["all", "last"]), default="all", show_default=True,
               help="Logits hashed: every prompt position, or the last only.")
 @device_option
+@memory_budget_option
 @click.option("--compare-q1", is_flag=True,
               help="Also run the q1 schedule and require identical logits and response hashes (exit 1 if not).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_predict, ctx,
-            resume_at, logits_mode, device, rpc, allow_mixed_builds, no_repack, compare_q1, as_json):
+            resume_at, logits_mode, device, rpc, allow_mixed_builds, no_repack, memory_budget, compare_q1, as_json):
     """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints."""
     remote = connect_remote(device, rpc, allow_mixed_builds)
-    s = run_settings(bands, chunk, lib, model=model, weights=weights, device=device, remote=remote,
-                     repack=not no_repack)
+    text = engine.read_prompt(prompt, prompt_file)
+    s, budget_json = budgeted_settings(memory_budget, text, bands, chunk, lib, model=model, weights=weights,
+                                       device=device, remote=remote, repack=not no_repack, threads=threads,
+                                       n_predict=n_predict, ctx=ctx)
     if compare_q1 and not s.bands:
         raise UsageError(f"--compare-q1 compares a band schedule with q1, but bands are off "
                          f"(set {ENV_BANDS}=1 or pass --bands)")
-    text = engine.read_prompt(prompt, prompt_file)
     for w in s.warnings():
         output.warn(w)
     eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
@@ -56,6 +61,7 @@ def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_p
     with output.progress_bar("prefill", enabled=len(tokens) >= 256) as progress:
         result = prefill.run_request(eng, tokens, n_predict=n_predict, resume_at=resume_at, logits=logits_mode, ctx=ctx,
                                      compare=compare_q1, progress=progress)
+    result = dataclasses.replace(result, memory_budget=budget_json)
     if as_json:
         output.emit_json(result.to_json())
     else:

@@ -10,7 +10,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from .. import engine, qualify, records, settings
-from ..errors import UsageError
 from ..evidence import EvidenceWriter
 from ..results import QualifyResult, RunCheck
 from . import output
@@ -20,20 +19,11 @@ from .options import (
     device_option,
     lib_option,
     model_option,
+    parse_widths,
     prompt_options,
     settings_from,
     threads_option,
 )
-
-
-def parse_widths(text: str) -> list[int]:
-    try:
-        ws = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UsageError(f"--widths {text!r} is malformed (use e.g. 2,3,4)") from None
-    if not ws or ws[0] < 1 or ws[-1] > settings.MAX_CHUNK:
-        raise UsageError(f"--widths {text!r}: widths must be in 1..{settings.MAX_CHUNK}")
-    return ws
 
 
 @click.command("qualify", cls=Command, short_help="Which band widths are bit-identical to q1 (per-width verdicts, a "

@@ -35,10 +35,36 @@ def _out_path(ctx, param, value):
               "q4_k_m, q6_k: the f32 model through llama.cpp's quantizer, which loads the exact library).")
 @click.option("--seed", type=click.IntRange(0, tiny_model.SEED_MAX), default=1234, show_default=True,
               help="Seed of the random weights.")
+@click.option("--idx-heads", type=click.IntRange(1, tiny_model.MAX_IDX_HEADS), default=tiny_model.TinyConfig.idx_heads,
+              show_default=True, help="Indexer heads (DeepSeek-V4's lightning indexer).")
+@click.option("--idx-dim", type=click.Choice([str(d) for d in tiny_model.IDX_DIMS]),
+              default=str(tiny_model.TinyConfig.idx_dim), show_default=True, help="Indexer key length.")
+@click.option("--top-k", type=click.IntRange(1, tiny_model.MAX_TOP_K), default=tiny_model.TinyConfig.top_k,
+              show_default=True, help="Indexer top-k: pooled rows each token attends to.")
+@click.option("--ds4-flash-shapes", is_flag=True,
+              help="Write DeepSeek-V4 Flash's metadata and tensor shapes without weights (a sparse file of the "
+                   "model's size, nothing written for the weights) to --out, for `dflash memory`.")
 @click.option("--json", "as_json", is_flag=True)
-def command(out, weights, seed, as_json):
-    """Write the deterministic tiny DeepSeek-V4 model."""
-    cfg = tiny_model.TinyConfig(weights=weights, seed=seed)
+def command(out, weights, seed, idx_heads, idx_dim, top_k, ds4_flash_shapes, as_json):
+    """Write the deterministic tiny DeepSeek-V4 model. The indexer options make models where the
+    indexer is a real share of the work (and where the all-pooled shortcut applies: its mask is at
+    least 256 pooled rows wide, so a top-k of 256 or more)."""
+    if ds4_flash_shapes:
+        if out is None:
+            raise click.UsageError("--ds4-flash-shapes needs --out (the file is as large as the model, sparse)")
+        try:
+            path = tiny_model.write_shapes(out, tiny_model.ds4_flash_shapes())
+        except OSError as e:
+            raise DflashError(f"cannot write {out}: {e.strerror or e}") from None
+        info = gguf_meta.read(path)
+        if as_json:
+            output.emit_json({"path": str(path), "bytes": path.stat().st_size, "shapes_only": True,
+                              "tensor_types": info.weight_types, "n_layers": info.n_layers})
+        else:
+            output.out.print(f"{path}  ({path.stat().st_size} bytes, sparse: shapes only, no weights)",
+                             highlight=False, markup=False)
+        return
+    cfg = tiny_model.TinyConfig(weights=weights, seed=seed, idx_heads=idx_heads, idx_dim=int(idx_dim), top_k=top_k)
     try:
         path = engine.write_tiny_model(cfg, out, log=output.note)
     except OSError as e:  # --out in a folder that cannot be made or written
@@ -47,7 +73,8 @@ def command(out, weights, seed, as_json):
     types = gguf_meta.read(path).weight_types
     if as_json:
         output.emit_json({"path": str(path), "weights": weights, "seed": seed, "sha256": digest,
-                          "bytes": path.stat().st_size, "tensor_types": types})
+                          "bytes": path.stat().st_size, "tensor_types": types,
+                          "indexer": {"heads": idx_heads, "dim": int(idx_dim), "top_k": top_k}})
     else:
         output.out.print(f"{path}  ({path.stat().st_size} bytes, sha256 {digest})", highlight=False, markup=False)
         output.out.print("tensor types: " + ", ".join(f"{k} {n}" for k, n in types.items()),

@@ -19,6 +19,7 @@ _L = None            # the llama_cpp module once loaded
 _LIB_DIR: Path | None = None
 _LOG: list[str] = []  # recent llama.cpp warnings/errors, for error messages
 _log_cb = None       # keep the ctypes callback alive
+_RPC_REGISTERED: set[str] = set()  # endpoints whose devices are in ggml's backend registry
 
 
 def load_library(lib_dir: str | os.PathLike, verbose: bool = False):
@@ -187,10 +188,12 @@ def rpc_add_servers(endpoints: list[str]) -> list[int]:
     out = []
     for ep in endpoints:
         stage(f"RPC server registration ({ep})")
-        reg = r.ggml_backend_rpc_add_server(ep.encode())
+        reg = r.ggml_backend_rpc_add_server(ep.encode())  # ggml keeps one per endpoint
         if not reg:
             raise LlamaError(f"RPC server {ep} offers no device")
-        g.ggml_backend_register(reg)
+        if ep not in _RPC_REGISTERED:  # a second engine in this process (a memory estimate) reuses it
+            g.ggml_backend_register(reg)
+            _RPC_REGISTERED.add(ep)
         out += [g.ggml_backend_reg_dev_get(reg, i) for i in range(g.ggml_backend_reg_dev_count(reg))]
     return out
 

@@ -434,3 +434,13 @@ def test_the_committed_rpc_bench_evidence_verifies():
     assert remote["id"] == "rpc:0" and remote["endpoint"] == d["rpc_servers"][0]["endpoint"]
     assert remote["build"] == Path(json.loads((ev / "library.json").read_text())["dir"]).parent.name
     assert json.loads((ev / "summary.json").read_text())["hashes_identical"] is True
+
+
+def test_a_memory_budget_over_rpc(servers):
+    """--memory-budget sizes the run with a no_alloc engine on the same servers before the real one
+    loads: both register the servers in one process, and the run is still the reference."""
+    ref = prefill("--no-bands", "--no-repack")
+    r = prefill("--rpc", servers["a"].endpoint, "--device", "rpc:0", "--bands", "--chunk", "4",
+                "--memory-budget", "1GiB")
+    assert r["memory_budget"]["width"] == 4 and r["memory_budget"]["total_bytes"] > 0
+    assert (r["logits_sha256"], r["response_sha256"]) == (ref["logits_sha256"], ref["response_sha256"])

@@ -6,6 +6,7 @@ imported, so `load_library` sets it and imports. Comparing libraries takes two p
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from pathlib import Path
@@ -132,8 +133,9 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int) -> None
 # ---------------------------------------------------------------------------------------------
 # ggml devices and its RPC backend (libggml, libggml-base and libggml-rpc of the loaded library)
 
+@functools.lru_cache(maxsize=1)
 def _ggml():
-    """libggml (the backend registry) with the prototypes dflash calls."""
+    """libggml (the backend registry) with the prototypes dflash calls (one process, one library)."""
     if _LIB_DIR is None:
         raise DflashError("llama.cpp library not loaded (call load_library first)")
     lib = ctypes.CDLL(str(_LIB_DIR / "libggml.so"))
@@ -143,8 +145,6 @@ def _ggml():
                             ("ggml_backend_register", None, [vp]),
                             ("ggml_backend_reg_dev_count", sz, [vp]), ("ggml_backend_reg_dev_get", vp, [vp, sz]),
                             ("ggml_backend_dev_type", ctypes.c_int, [vp]),
-                            ("ggml_backend_dev_name", ctypes.c_char_p, [vp]),
-                            ("ggml_backend_dev_description", ctypes.c_char_p, [vp]),
                             ("ggml_backend_dev_backend_reg", vp, [vp]),
                             ("ggml_backend_reg_name", ctypes.c_char_p, [vp])):
         fn = getattr(lib, name)
@@ -152,7 +152,9 @@ def _ggml():
     return lib
 
 
+@functools.lru_cache(maxsize=1)
 def _ggml_rpc():
+    """libggml-rpc with the prototypes dflash calls."""
     if _LIB_DIR is None:
         raise DflashError("llama.cpp library not loaded (call load_library first)")
     path = _LIB_DIR / "libggml-rpc.so"
@@ -216,11 +218,6 @@ def rpc_serve(endpoint: str, threads: int, device: str) -> None:
     devs = (ctypes.c_void_p * 1)(dev)
     stage(f"RPC server at {endpoint}")
     r.ggml_backend_rpc_start_server(endpoint.encode(), None, threads, 1, devs)
-
-
-def device_label(dev: int) -> str:
-    g = _ggml()
-    return f"{(g.ggml_backend_dev_name(dev) or b'').decode()} ({(g.ggml_backend_dev_description(dev) or b'').decode()})"
 
 
 class Model:

@@ -59,7 +59,6 @@ def indexer_rows(compress_ratios: tuple[int, ...], n_ctx: int) -> int | None:
 @dataclass(frozen=True)
 class MemoryRow:
     width: int
-    total_bytes: int
     weights_bytes: int
     context_bytes: int                 # every cache and state
     kv_bytes: int                      # DeepSeek-V4: the raw sliding-window KV cache; else every cache
@@ -68,6 +67,10 @@ class MemoryRow:
     compressor_state_bytes: int
     compute_bytes: int
     indexer_scores_bytes: int | None   # analytic: rows x width x 4 (None without an indexer)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.context_bytes + self.compute_bytes
 
     def to_json(self) -> dict:
         return {"width": self.width, "total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes,
@@ -81,8 +84,7 @@ def row(width: int, sizes: dict[str, int], rows: int | None) -> MemoryRow:
     dsv4 = sizes["kv"] + sizes["compressed_kv"] + sizes["indexer_cache"] + sizes["compressor_states"] \
         + sizes["kv_unused_base"] > 0
     return MemoryRow(
-        width=width, total_bytes=sizes["weights"] + sizes["context"] + sizes["compute"],
-        weights_bytes=sizes["weights"], context_bytes=sizes["context"],
+        width=width, weights_bytes=sizes["weights"], context_bytes=sizes["context"],
         kv_bytes=sizes["kv"] + sizes["kv_unused_base"] if dsv4 else sizes["context"],
         compressed_kv_bytes=sizes["compressed_kv"],
         indexer_cache_bytes=sizes["indexer_cache"], compressor_state_bytes=sizes["compressor_states"],

@@ -176,15 +176,19 @@ def relative_errors(tname: str, w: np.ndarray, y: np.ndarray, xq: bytes) -> np.n
     return np.abs(y - ref) / np.where(scale > 0, scale, 1.0)
 
 
+def worst_error(host_bins, tmp_path, tname, w, ncols, rng) -> float:
+    """The host body on `w` and random activations against gguf's dequantize-then-dot."""
+    x = rng.standard_normal((ncols, K)).astype(np.float32)
+    y, xq = run_host(host_bins["good"], tname, w, x, tmp_path)
+    return float(relative_errors(tname, w, y, xq).max())
+
+
 @pytest.mark.parametrize("ncols", [1, 2, 3, 4])
 @pytest.mark.parametrize("tname", list(TYPES))
 def test_matches_dequantize_then_dot(host_bins, tmp_path, tname, ncols):
     rng = np.random.default_rng(1000 * ncols + len(tname))
-    w = make_weights(tname, rng)
-    x = rng.standard_normal((ncols, K)).astype(np.float32)
-    y, xq = run_host(host_bins["good"], tname, w, x, tmp_path)
-    err = relative_errors(tname, w, y, xq)
-    assert err.max() <= REL_TOL, f"{tname} ncols={ncols}: worst relative error {err.max():.3e}"
+    err = worst_error(host_bins, tmp_path, tname, make_weights(tname, rng), ncols, rng)
+    assert err <= REL_TOL, f"{tname} ncols={ncols}: worst relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("ncols", [1, 3])
@@ -192,11 +196,8 @@ def test_matches_dequantize_then_dot(host_bins, tmp_path, tname, ncols):
 def test_random_block_bytes_match_gguf_dequantize(host_bins, tmp_path, tname, ncols):
     """Every bit of each layout (signed Q6_K scales, high scale bits, fifth/sixth bits) decoded as gguf does."""
     rng = np.random.default_rng(31 * ncols + len(tname))
-    w = random_block_bytes(tname, rng)
-    x = rng.standard_normal((ncols, K)).astype(np.float32)
-    y, xq = run_host(host_bins["good"], tname, w, x, tmp_path)
-    err = relative_errors(tname, w, y, xq)
-    assert err.max() <= REL_TOL, f"{tname} random bytes ncols={ncols}: worst relative error {err.max():.3e}"
+    err = worst_error(host_bins, tmp_path, tname, random_block_bytes(tname, rng), ncols, rng)
+    assert err <= REL_TOL, f"{tname} random bytes ncols={ncols}: worst relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("random_bytes", [False, True])

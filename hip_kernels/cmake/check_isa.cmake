@@ -26,18 +26,12 @@ foreach(t IN LISTS family_types)
 endforeach()
 list(REMOVE_DUPLICATES kernels)
 
-function(run out)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed: ${ARGN}\n${e}")
-  endif()
-  set(${out} "${o}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/isa_rules.cmake)  # dflash_run and the instruction rules
 
-run(symbols "${READELF}" --symbols --wide "${CO}")
-run(sections "${READELF}" --sections --wide "${CO}")
-run(notes "${READELF}" --notes "${CO}")
-run(disasm "${OBJDUMP}" -d "--mcpu=${ARCH}" "${CO}")
+dflash_run(symbols "${READELF}" --symbols --wide "${CO}")
+dflash_run(sections "${READELF}" --sections --wide "${CO}")
+dflash_run(notes "${READELF}" --notes "${CO}")
+dflash_run(disasm "${OBJDUMP}" -d "--mcpu=${ARCH}" "${CO}")
 file(READ "${REMARKS}" remarks)
 
 # kernel-level metadata keys sit at four spaces; a new kernel starts at "  - "
@@ -68,7 +62,6 @@ foreach(line IN LISTS note_lines)
   endif()
 endforeach()
 
-include(${CMAKE_CURRENT_LIST_DIR}/isa_rules.cmake)
 
 set(errors "")
 set(table "| kernel | VGPRs | SGPRs | scratch | LDS bytes | occupancy (waves/SIMD) |\n|---|---|---|---|---|---|\n")

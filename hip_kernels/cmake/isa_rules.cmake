@@ -2,6 +2,15 @@
 # (the project's code objects) and compile_ggml_hip.cmake (the glue inside ggml's HIP build):
 # uses v_dot4_i32_iu8, no fused float multiply-add (contraction off), no scratch instructions.
 #   dflash_isa_instruction_errors(<disassembly> <kernel;...> <out var>): appends one line per fault
+#   dflash_run(<out var> <command...>): runs a command, its stdout into <out var>; a failure is fatal
+
+function(dflash_run out)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed: ${ARGN}\n${e}")
+  endif()
+  set(${out} "${o}" PARENT_SCOPE)
+endfunction()
 
 # the disassembly of one function: from its label to the next label ("" when absent)
 function(dflash_function_text disasm name out)

@@ -15,10 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash import engine as E  # noqa: E402
+from dflash import (
+    Session,  # noqa: E402
+    stats,  # noqa: E402
+)
 from dflash import prefill as P  # noqa: E402
 from dflash import settings as S  # noqa: E402
-from dflash import stats  # noqa: E402
 
 
 def main() -> int:
@@ -33,12 +35,13 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    eng = E.open_engine(S.resolve(None, bands=True, chunk=4, lib=a.lib), a.model, threads=a.threads,
-                        weights=a.weights)
-    tokens = eng.tokenize(E.DEFAULT_PROMPT)
+    session = Session(a.model, weights=a.weights, lib=a.lib, bands=True, chunk=4, threads=a.threads,
+                      settings=S.Settings.from_env(lib=a.lib), build=True)
+    eng = session.engine
+    tokens = session.tokenize()
     caps = [int(c) for c in a.caps.split(",")]
     plans = {c: eng.request_bands(len(tokens), cap=c, bands_on=c > 1) for c in caps}
-    ctx = eng.context(len(tokens) + 4, max(caps))
+    ctx = session.context(len(tokens) + 4, max(caps))
     tps = {c: [] for c in caps}
     hashes = set()
     for i in range(a.warmup + a.runs):

@@ -52,12 +52,15 @@ def mean_nll(logits: np.ndarray, tokens: list[int], rows: int = 32) -> float:
 
 def worker(a) -> dict:
     """In this process: load the library, prefill, compute the NLL."""
-    from dflash import engine, prefill, settings
-    eng = engine.open_engine(settings.resolve(bands=True, lib=a.worker), a.model, threads=a.threads)
-    tokens = eng.tokenize(Path(a.text_file).read_text(encoding="utf-8"))[:a.n_tokens]
+    from dflash import Session, Settings, prefill
+    session = Session(a.model, lib=a.worker, bands=True, threads=a.threads, settings=Settings.from_env(lib=a.worker),
+                      build=True)
+    eng = session.engine
+    tokens = session.tokenize(Path(a.text_file).read_text(encoding="utf-8"))[:a.n_tokens]
     width = min(a.width, len(tokens))
-    ctx = eng.context(eng.context_size(len(tokens), 0, None), width)
-    r = prefill.run(ctx, prefill.Request(tokens, B.fixed_bands(len(tokens), width), n_predict=0, keep_logits=True))
+    ctx = session.context(eng.context_size(len(tokens), 0, None), width)
+    r = prefill.run(ctx, prefill.Request(tokens, B.fixed_bands(len(tokens), width), n_predict=0, keep_logits=True),
+                    library=str(eng.lib_dir))
     nll = mean_nll(r.logits, tokens)
     return {"lib": a.worker, "n_tokens": len(tokens), "width": width, "threads": eng.threads,
             "mean_nll": nll, "perplexity": float(np.exp(nll)), "logits_sha256": r.logits_sha256,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
-from . import prefill, records, stats
+from . import prefill, provenance, stats
 from .engine import Engine
+from .evidence import EvidenceWriter
 from .results import ArmStats, BenchResult, BenchSummary, Library
 
 Q1_A, CANDIDATE, Q1_B = "q1_a", "candidate", "q1_b"
@@ -56,7 +59,7 @@ def run(eng: Engine, tokens: list[int], *, warmup: int = 2, runs: int = 5,
     samples = []
     try:
         for k, (arm, i) in enumerate(todo):
-            r = prefill.run(ctx, prefill.Request(tokens, schedules[arm], n_predict, logits))
+            r = prefill.run(ctx, prefill.Request(tokens, schedules[arm], n_predict, logits), library=str(eng.lib_dir))
             samples.append(Sample(arm, i, i < warmup, r.prefill_seconds, r.prefill_tokens_per_second,
                                   r.logits_sha256, r.response_sha256, r.response_tokens_sha256))
             progress(k + 1, len(todo))
@@ -94,8 +97,9 @@ def requests_record(samples: list[Sample]) -> dict:
     return {"requests": [asdict(s) for s in samples]}
 
 
-def write_evidence(w, provenance: dict[str, dict], options: dict, samples: list[Sample],
-                   widths: dict, summary: BenchSummary) -> tuple:
+def write_evidence(w: EvidenceWriter, provenance: dict[str, dict[str, Any]], options: dict[str, Any],
+                   samples: list[Sample], widths: dict[str, list[int]],
+                   summary: BenchSummary) -> tuple[Path, str]:
     """Fill an open EvidenceWriter and commit it; returns (dir, manifest sha256)."""
     for name, rec in provenance.items():
         w.write_json(name, rec)
@@ -108,9 +112,10 @@ def write_evidence(w, provenance: dict[str, dict], options: dict, samples: list[
     return w.commit()
 
 
-def bench(eng: Engine, text: str, tokens: list[int], writer, *, warmup: int = 2, runs: int = 5,
+def bench(eng: Engine, text: str, tokens: list[int], writer: EvidenceWriter, *, warmup: int = 2, runs: int = 5,
           interleave: bool = False, n_predict: int = 8, logits: str = "all", device: str | None = None,
-          progress: Callable[[int, int], None] = lambda d, t: None, memory_budget: dict | None = None) -> BenchResult:
+          progress: Callable[[int, int], None] = lambda d, t: None,
+          memory_budget: dict[str, Any] | None = None) -> BenchResult:
     """Run the A/B/A requests, fill the open EvidenceWriter `writer` (provenance, options, every
     request, the summary) and commit it; the result names the evidence and its manifest SHA-256."""
     s = eng.settings
@@ -122,7 +127,7 @@ def bench(eng: Engine, text: str, tokens: list[int], writer, *, warmup: int = 2,
                "interleave": interleave, "n_predict": n_predict, "logits": logits, "lib": s.lib,
                "threads": eng.threads, "n_prompt_tokens": len(tokens), "device": device,
                "memory_budget": memory_budget}
-    path, manifest_sha = write_evidence(writer, records.provenance(eng, None, text, tokens), options, samples,
+    path, manifest_sha = write_evidence(writer, provenance.provenance(eng, None, text, tokens), options, samples,
                                         widths, summary)
     return BenchResult(summary, len(tokens), eng.threads, Library(s.lib, str(eng.lib_dir)), s.chunk, s.qualified,
                        str(path), manifest_sha, eng.placement, memory_budget)

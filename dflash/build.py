@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import DflashError
+from .fileio import fsync_dir, fsync_file
 from .paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROOT, cache_root
 
 __all__ = ["FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
@@ -117,7 +118,9 @@ def sdist_path(log: Log = lambda s: None) -> Path:
         if not got.is_file():
             tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
             raise DflashError(f"pip download of llama-cpp-python source failed: {tail[0]}")
+        fsync_file(got)  # a tarball that is there after a crash is whole
         os.replace(got, d / name)
+        fsync_dir(d)
     return d / name
 
 
@@ -153,7 +156,7 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
         raise DflashError("cmake is not installed (apt-get install cmake)")
     if gpu == "cuda" and _nvcc() is None:
         raise DflashError("the CUDA build needs nvcc (install the CUDA toolkit, or put its bin/ on PATH)")
-    from .supervisor import stage
+    from .stage import stage
     stage(f"build of the {flavor} llama.cpp library")
     src = source_dir(log)
     dest = install_dir(flavor, gpu)

@@ -11,8 +11,9 @@ import platform
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from .errors import NoDeviceError, UsageError
+from .errors import NoDeviceError, UsageError, arg
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Device:
     memory_bytes: int | None
     compute_units: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -48,7 +49,7 @@ def cpu() -> Device:
     return Device("cpu", name, platform.machine(), mem, os.cpu_count() or 1)
 
 
-def _check(result):
+def _check(result: object) -> Any:  # hip-python's values are untyped
     """hip-python returns (err, value...) tuples; raise on a non-success code."""
     from hip import hip
     err, *rest = result if isinstance(result, tuple) else (result,)
@@ -138,11 +139,11 @@ def parse_spec(spec: str) -> DeviceSpec:
         elif kind in (*GPU_KINDS, "rpc") and sep and number.isdigit():
             entries.append(f"{kind}:{int(number)}")
         else:
-            raise UsageError(f"--device {spec!r} is malformed ({_SPEC_HELP})")
+            raise UsageError(f"{arg('device')} {spec!r} is malformed ({_SPEC_HELP})")
     if len(set(entries)) != len(entries):
-        raise UsageError(f"--device {spec!r} names a device twice")
+        raise UsageError(f"{arg('device')} {spec!r} names a device twice")
     if len({e.split(":", 1)[0] for e in entries} & set(GPU_KINDS)) > 1:
-        raise UsageError(f"--device {spec!r} mixes HIP and CUDA devices (one library per run)")
+        raise UsageError(f"{arg('device')} {spec!r} mixes HIP and CUDA devices (one library per run)")
     return DeviceSpec(tuple(entries))
 
 

@@ -12,7 +12,8 @@ from .trace import Trace, TraceDiff, add_decode, compare, first_differing_row, n
 
 
 def traced_request(eng: Engine, tap: llama.GraphTap, tokens: list[int], bands: list[Band], n_predict: int,
-                   progress=lambda done, total: None, strict: bool = True) -> tuple[prefill.Result, Trace]:
+                   progress: Callable[[int, int], None] = lambda done, total: None,
+                   strict: bool = True) -> tuple[prefill.RequestOutput, Trace]:
     """One request on a fresh context with every band's tapped nodes recorded per position.
 
     A fresh context per schedule means cache cells not yet written (masked, but visible in
@@ -23,12 +24,14 @@ def traced_request(eng: Engine, tap: llama.GraphTap, tokens: list[int], bands: l
     with ctx:
         tap.take()
         r = prefill.run(ctx, prefill.Request(tokens, bands, n_predict, keep_logits=True), progress,
-                        on_band=lambda b: add_decode(trace, tap.take(), b.start, b.width, strict))
+                        on_band=lambda b: add_decode(trace, tap.take(), b.start, b.width, strict),
+                        library=str(eng.lib_dir))
         tap.take()  # the response decodes' nodes are not compared (a copy error still raises)
     return r, trace
 
 
-def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: prefill.Result, rb: prefill.Result,
+def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: prefill.RequestOutput,
+                rb: prefill.RequestOutput,
                 d: TraceDiff, show: int, eng: Engine, ignore: str | None = None) -> DiffResult:
     assert ra.logits is not None and rb.logits is not None  # traced requests keep their logits
     first_pos, n_rows, max_d = first_differing_row(ra.logits, rb.logits)

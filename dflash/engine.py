@@ -6,18 +6,22 @@ llama.cpp and turns every failure into a DflashError with one line of text.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bands, build, devices, gguf_meta, llama, narrow, qualification, tiny_model
-from .errors import DflashError, UsageError
+from . import bands, build, devices, gguf_meta, llama, narrow, proofs, tiny_model
+from .errors import DflashError, LibraryNotBuilt, UsageError, arg
 from .rpc import Remote, check_builds
 from .settings import Settings
 from .settings import resolve as resolve_settings
 
 Log = Callable[[str], None]
+
+
+def _quiet(msg: str) -> None:
+    pass
+
 
 MAX_THREADS = 512   # ggml's GGML_MAX_N_THREADS (its thread pool arrays); more crashes llama.cpp
 MAX_CTX = 2**32 - 1  # llama_context_params.n_ctx is a uint32_t
@@ -37,27 +41,10 @@ def resolve_model(path: str | None, weights: str = tiny_model.DEFAULT_WEIGHTS) -
     return tiny_model.ensure(tiny_model.TinyConfig(weights=weights), quantize=llama.quantize)
 
 
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    if prompt is not None and prompt_file is not None:
-        raise UsageError("give --prompt or --prompt-file, not both")
-    if prompt_file == "-":
-        try:
-            prompt = sys.stdin.buffer.read().decode("utf-8")
-        except UnicodeDecodeError:
-            raise UsageError("the prompt on standard input is not valid UTF-8") from None
-        except OSError as e:
-            raise UsageError(f"cannot read the prompt from standard input: {e.strerror}") from None
-    elif prompt_file is not None:
-        p = Path(prompt_file)
-        problem = gguf_meta.path_problem(p)
-        if problem:
-            raise UsageError(f"prompt file {problem}: {prompt_file}")
-        try:
-            prompt = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read prompt file {prompt_file}: {e}") from None
+def check_prompt(prompt: str | None) -> str:
+    """The prompt to run (None: the built-in one); an empty or blank prompt is a usage error."""
     if prompt is None:
-        prompt = DEFAULT_PROMPT
+        return DEFAULT_PROMPT
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     try:
@@ -67,31 +54,48 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return prompt
 
 
-def library_dir(settings: Settings, log: Log = lambda s: None, gpu: str = "none") -> Path:
-    """The llama.cpp library folder for the settings (and GPU backend), built on first use."""
+def library_dir(settings: Settings, log: Log = _quiet, gpu: str = "none", build_missing: bool = False) -> Path:
+    """The llama.cpp library folder for the settings (and GPU backend). A library that is not
+    built yet is built only with `build_missing` (the CLI's way; Session(build=True)); otherwise
+    LibraryNotBuilt names the command that builds it."""
     if settings.lib_dir:
         d = Path(settings.lib_dir)
         if not (d / "libllama.so").is_file():
             raise UsageError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
         return d
+    if not build_missing and not build.is_built(settings.lib, gpu):
+        what = f"the {settings.lib} llama.cpp library" + ("" if gpu == "none" else f" for {gpu}")
+        cmd = f"dflash build --lib {settings.lib}" + ("" if gpu == "none" else f" --gpu {gpu}")
+        raise LibraryNotBuilt(f"{what} is not built yet: run `{cmd}` (a few minutes, once), or open the "
+                              f"Session with build=True")
     return build.build_library(settings.lib, gpu, log=log)
 
 
-def load_library(settings: Settings, log: Log = lambda s: None, gpu: str = "none") -> Path:
-    """Load the settings' llama.cpp library into this process (built on first use); `gpu` is the
-    backend of a --device hip:N / cuda:N run (DFLASH_LLAMA_LIB_DIR, when set, names it instead)."""
-    lib_dir = library_dir(settings, log, gpu)
-    os.environ.update(settings.library_env())  # the library's narrow path sees dflash's ceiling
+def load_library(settings: Settings, log: Log = _quiet, gpu: str = "none", build_missing: bool = False) -> Path:
+    """Load the settings' llama.cpp library into this process; `gpu` is the backend of a hip:N /
+    cuda:N run (DFLASH_LLAMA_LIB_DIR, when set, names it instead). The flags the library reads
+    once (settings.library_env) are exported before it loads; a process that already loaded it
+    with other values is refused (they cannot change any more)."""
+    lib_dir = library_dir(settings, log, gpu, build_missing)
+    want = settings.library_env()
+    if llama.library_dir() is None:
+        os.environ.update(want)  # before the load: the library's narrow path sees dflash's ceiling
+    else:
+        changed = [f"{k}={os.environ.get(k)!r}" for k, v in want.items() if os.environ.get(k) != v]
+        if changed:
+            raise DflashError(f"this process loaded llama.cpp with {', '.join(changed)}; settings that need "
+                              f"{', '.join(f'{k}={v!r}' for k, v in want.items())} need a process of their own "
+                              f"(dflash.worker)")
     llama.load_library(lib_dir, verbose=settings.verbose)
     return lib_dir
 
 
 def write_tiny_model(cfg: tiny_model.TinyConfig, out: str | None = None, settings: Settings | None = None,
-                     log: Log = lambda s: None) -> Path:
+                     log: Log = _quiet, build_missing: bool = False) -> Path:
     """The built-in model at `out`, or in the user cache (reused). K-quant presets load the
     llama.cpp library first (the exact one unless `settings` say otherwise): its quantizer makes them."""
     if tiny_model.needs_quantizer(cfg.weights):
-        load_library(settings or resolve_settings(lib="exact"), log)
+        load_library(settings or resolve_settings({}, lib="exact"), log, build_missing=build_missing)
     if out:
         return tiny_model.write(out, cfg, llama.quantize)
     return tiny_model.ensure(cfg, llama.quantize)
@@ -129,7 +133,7 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -145,15 +149,15 @@ class Engine:
         need = n_tokens + n_predict
         if ctx is not None:
             if not 1 <= ctx <= MAX_CTX:  # llama_context_params.n_ctx is 32 bits: no silent wrap
-                raise UsageError(f"--ctx {ctx} is outside 1..{MAX_CTX}")
+                raise UsageError(f"{arg('ctx')} {ctx} is outside 1..{MAX_CTX}")
             if limit and ctx > limit:
-                raise UsageError(f"--ctx {ctx} exceeds the model's context length {limit}")
+                raise UsageError(f"{arg('ctx')} {ctx} exceeds the model's context length {limit}")
             if need > ctx:
-                raise UsageError(f"prompt ({n_tokens} tokens) plus --n-predict {n_predict} does not "
-                                 f"fit in --ctx {ctx}")
+                raise UsageError(f"prompt ({n_tokens} tokens) plus {arg('n_predict')} {n_predict} does not "
+                                 f"fit in {arg('ctx')} {ctx}")
             return ctx
         if limit and need > limit:
-            raise UsageError(f"prompt ({n_tokens} tokens) plus --n-predict {n_predict} exceeds the "
+            raise UsageError(f"prompt ({n_tokens} tokens) plus {arg('n_predict')} {n_predict} exceeds the "
                              f"model's context length {limit}")
         return need
 
@@ -171,7 +175,7 @@ class Engine:
         on_cpu = spec.kind == "cpu" and (self.remote is None or self.remote.all_cpu)
         return None if on_cpu else False
 
-    def context(self, n_ctx: int, max_band: int, eval_callback=None) -> llama.Context:
+    def context(self, n_ctx: int, max_band: int, eval_callback: object = None) -> llama.Context:
         return llama.Context(self.model, n_ctx, self.threads, flash_attn=self.flash_attn,
                              max_band=max_band, eval_callback=eval_callback)
 
@@ -184,14 +188,15 @@ class Engine:
         return bands.plan(n_tokens, start, self.info.compress_ratios, cap if cap is not None else s.cap,
                           on, s.mmvq_max_ncols)
 
-    def request_bands(self, n_tokens: int, resume_at: int = 0, **kw) -> list[bands.Band]:
+    def request_bands(self, n_tokens: int, resume_at: int = 0, *, cap: int | None = None,
+                      bands_on: bool | None = None) -> list[bands.Band]:
         """Bands for a prompt, optionally as a first part [0, resume_at) and a resumed second part
         planned from the unaligned start."""
         if not 0 <= resume_at < n_tokens:
-            raise UsageError(f"--resume-at {resume_at} must be in 0..{n_tokens - 1}")
+            raise UsageError(f"{arg('resume_at')} {resume_at} must be in 0..{n_tokens - 1}")
         if resume_at == 0:
-            return self.plan(n_tokens, 0, **kw)
-        return self.plan(resume_at, 0, **kw) + self.plan(n_tokens - resume_at, resume_at, **kw)
+            return self.plan(n_tokens, 0, cap, bands_on)
+        return self.plan(resume_at, 0, cap, bands_on) + self.plan(n_tokens - resume_at, resume_at, cap, bands_on)
 
 
 def gpu_placement(ids: list[int]) -> dict:
@@ -226,7 +231,7 @@ def list_placement(spec: devices.DeviceSpec, n_layers: int, remote: Remote | Non
     if spec.gpu_ids:
         _require_gpu_library()
         if max(spec.gpu_ids) >= len(gpus):
-            raise DflashError(f"the loaded library sees {len(gpus)} GPU device(s), --device names {spec}")
+            raise DflashError(f"the loaded library sees {len(gpus)} GPU device(s), {arg('device')} names {spec}")
     remote_handles = llama.rpc_add_servers(remote.endpoints) if remote is not None else []
     handles = []
     for e in spec.entries:
@@ -262,28 +267,29 @@ def devices_json(spec: devices.DeviceSpec, remote: Remote | None, gpus: list[dev
 def open_engine(settings: Settings, model_path: str | None = None, *, threads: int | None = None,
                 weights: str = tiny_model.DEFAULT_WEIGHTS, device: str = "cpu",
                 remote: Remote | None = None, repack: bool = True, no_alloc: bool = False,
-                mmap: bool = True, log: Log = lambda s: None) -> Engine:
+                mmap: bool = True, build_missing: bool = False, log: Log = _quiet) -> Engine:
     """Library, model and placement for a run. `remote` is the handshake with the --rpc servers
     (dflash.rpc.connect, done before anything is loaded); a server running another library build
     is refused here unless the run allows mixed builds. `repack=False` (--no-repack) keeps the
     weights in plain CPU buffers; a run with RPC devices always does (see repack_for). `no_alloc`
     loads the model's metadata and shapes only, for memory estimates (dflash/memory.py); `mmap=False`
-    reads the weights into allocated buffers instead of mapping the file (what those estimate)."""
+    reads the weights into allocated buffers instead of mapping the file (what those estimate).
+    `build_missing` builds a library that is not built yet (else LibraryNotBuilt)."""
     quantized = model_path is None and tiny_model.needs_quantizer(weights)
     path = None if quantized else resolve_model(model_path, weights)
     info = gguf_meta.read(path) if path else None  # validates the file before llama.cpp sees it
     spec = devices.parse_spec(device)
     if spec.rpc_ids and remote is None:
-        raise UsageError(f"--device {spec} needs --rpc HOST:PORT (the server serving rpc:N)")
+        raise UsageError(f"{arg('device')} {spec} needs {arg('rpc')} HOST:PORT (the server serving rpc:N)")
     kind = spec.kind
     gpus = devices.require_gpu(device)  # exit 3 with the reason, before any build or load
     archs = tuple(d.arch for d in gpus)
     if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise UsageError(f"--threads {threads} is outside 1..{MAX_THREADS} (ggml's thread limit)")
+        raise UsageError(f"{arg('threads')} {threads} is outside 1..{MAX_THREADS} (ggml's thread limit)")
     rpc_warnings: list[str] = []
     if remote is not None:  # before the build or the model load: a refused server costs nothing
-        rpc_warnings = check_builds(remote.servers, qualification.build_id(settings, kind), remote.allow_mixed_builds)
-    lib_dir = load_library(settings, log, gpu="none" if kind == "cpu" else kind)
+        rpc_warnings = check_builds(remote.servers, proofs.build_id(settings, kind), remote.allow_mixed_builds)
+    lib_dir = load_library(settings, log, gpu="none" if kind == "cpu" else kind, build_missing=build_missing)
     if path is None:  # a K-quant built-in model: made by the library just loaded
         path = resolve_model(None, weights)
         info = gguf_meta.read(path)

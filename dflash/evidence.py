@@ -28,9 +28,11 @@ import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, NoReturn
 
-from . import supervisor
+from . import stage
 from .errors import DflashError, UsageError
+from .fileio import fsync_dir, write_atomic
 
 SCHEMA = "dflash.evidence"
 SCHEMA_VERSION = 1
@@ -51,23 +53,15 @@ class EvidenceError(DflashError, ValueError):
     """An evidence directory or manifest is missing, malformed or does not match its content."""
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def canonical_sha256(obj: dict) -> str:
+def canonical_sha256(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def render_manifest(manifest: dict) -> bytes:
+def render_manifest(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def _rel_problem(rel) -> str | None:
+def _rel_problem(rel: object) -> str | None:
     if not isinstance(rel, str) or not rel:
         return "must be a non-empty string"
     if ("\\" in rel or "\x00" in rel or rel.startswith("/") or posixpath.normpath(rel) != rel
@@ -86,9 +80,9 @@ def check_rel(rel: str) -> str:
     return rel
 
 
-def _load_json(raw: bytes):
+def _load_json(raw: bytes) -> Any:  # a JSON value
     """Strict JSON: UTF-8, no NaN or Infinity; ValueError otherwise."""
-    def no_constant(name):
+    def no_constant(name: str) -> NoReturn:
         raise ValueError(f"{name} is not JSON")
     try:
         return json.loads(raw.decode("utf-8"), parse_constant=no_constant)
@@ -101,18 +95,18 @@ def _need(ok: bool, msg: str) -> None:
         raise EvidenceError(msg)
 
 
-def _is_kind(kind) -> bool:
+def _is_kind(kind: object) -> bool:
     return isinstance(kind, str) and _KIND.fullmatch(kind) is not None
 
 
-def _is_time(text) -> bool:
+def _is_time(text: object) -> bool:
     try:
         return isinstance(text, str) and datetime.strptime(text, TIME_FORMAT) is not None
     except ValueError:
         return False
 
 
-def _parse_manifest(raw: bytes) -> dict:
+def _parse_manifest(raw: bytes) -> dict[str, Any]:
     """Strict reader; raises EvidenceError saying what is wrong (the caller says where)."""
     try:
         m = _load_json(raw)
@@ -203,7 +197,7 @@ def _open_dir(directory: Path) -> int:
         raise EvidenceError(f"{directory}: cannot open ({e.strerror})") from None
 
 
-def resolve_dir(directory: str | os.PathLike) -> Path:
+def resolve_dir(directory: str | os.PathLike[str]) -> Path:
     """An evidence directory argument with its symlinks resolved; UsageError if it is missing or
     not a directory."""
     try:
@@ -217,7 +211,7 @@ def resolve_dir(directory: str | os.PathLike) -> Path:
     return d
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of an evidence directory, checked; EvidenceError names the path otherwise."""
     path = Path(directory) / MANIFEST
     try:
@@ -230,22 +224,6 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise EvidenceError(f"{path}: {e}") from None
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a folder by path (a folder: so a rename inside it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -256,7 +234,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_temp(parent: str | os.PathLike) -> list[Path]:
+def clean_stale_temp(parent: str | os.PathLike[str]) -> list[Path]:
     """Remove EvidenceWriter temp dirs in `parent` whose owner process is gone (killed before it
     could clean up); returns those removed. A live owner's dir, or a name that does not parse, stays."""
     removed: list[Path] = []
@@ -282,7 +260,7 @@ class EvidenceWriter:
     holds the owner's pid: .tmp-<name>-<pid>-<hex>).
     """
 
-    def __init__(self, final_dir: str | os.PathLike, kind: str):
+    def __init__(self, final_dir: str | os.PathLike[str], kind: str) -> None:
         if not _is_kind(kind):
             raise ValueError(f"evidence kind {kind!r} is not a plain name")
         self.final_dir = Path(final_dir).absolute()
@@ -295,17 +273,17 @@ class EvidenceWriter:
             self.final_dir.parent.mkdir(parents=True, exist_ok=True)
             clean_stale_temp(self.final_dir.parent)
             self.tmp_dir.mkdir()
-            supervisor.owns_scratch(self.tmp_dir)  # removed by the supervisor if this worker crashes
+            stage.owns_scratch(self.tmp_dir)  # removed by the supervisor if this worker crashes
         except OSError as e:
             raise EvidenceError(f"cannot create evidence directory {self.final_dir}: {e.strerror}") from None
-        self._files: dict[str, dict] = {}
-        self._checks: list[dict] = []
+        self._files: dict[str, dict[str, Any]] = {}
+        self._checks: list[dict[str, str]] = []
         self._state = "open"  # -> "committed" | "aborted"
 
     def __enter__(self) -> EvidenceWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._state == "open":
             self.abort()
 
@@ -323,18 +301,14 @@ class EvidenceWriter:
             raise ValueError(f"evidence path {rel!r} was already written or clashes with one that was")
         path = self.tmp_dir / rel
         path.parent.mkdir(exist_ok=True)
-        try:
-            _write_synced(path, data)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
+        write_atomic(path, data)  # on failure nothing is left at `path` or beside it
         self._files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         return path
 
     def write_text(self, rel: str, text: str) -> Path:
         return self.write_bytes(rel, text.encode("utf-8"))
 
-    def write_json(self, rel: str, obj) -> Path:
+    def write_json(self, rel: str, obj: object) -> Path:
         return self.write_text(rel, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
     def add_hash_check(self, file: str, pointer: str, field: str, expect: str = "identical") -> None:
@@ -364,16 +338,16 @@ class EvidenceWriter:
                 "created_utc": datetime.now(timezone.utc).strftime(TIME_FORMAT),
                 "files": dict(sorted(self._files.items())), "hash_checks": list(self._checks)}
         raw = render_manifest({**body, "self_sha256": canonical_sha256(body)})
-        _write_synced(self.tmp_dir / MANIFEST, raw)
+        write_atomic(self.tmp_dir / MANIFEST, raw)
         for sub in {rel.split("/")[0] for rel in self._files if "/" in rel}:
-            fsync_path(self.tmp_dir / sub)
-        fsync_path(self.tmp_dir)
+            fsync_dir(self.tmp_dir / sub)
+        fsync_dir(self.tmp_dir)
         if os.path.lexists(self.final_dir):  # os.rename would replace an empty directory
             raise EvidenceError(f"evidence directory appeared while writing: {self.final_dir}")
         os.rename(self.tmp_dir, self.final_dir)
-        supervisor.owns_scratch(None)
+        stage.owns_scratch(None)
         self._state = "committed"
-        fsync_path(self.final_dir.parent)
+        fsync_dir(self.final_dir.parent)
         return self.final_dir, hashlib.sha256(raw).hexdigest()
 
     def abort(self) -> None:
@@ -381,7 +355,7 @@ class EvidenceWriter:
         if self._state == "open":
             self._state = "aborted"
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            supervisor.owns_scratch(None)
+            stage.owns_scratch(None)
 
 
 @dataclass
@@ -393,7 +367,7 @@ class VerifyReport:
     n_hash_checks: int = 0
     results: list[tuple[str, list[str]]] = field(default_factory=list)
 
-    def record(self, check: str, problems: list[str] | tuple = ()) -> None:
+    def record(self, check: str, problems: list[str] | tuple[str, ...] = ()) -> None:
         self.results.append((check, list(problems)))
 
     @property
@@ -409,14 +383,14 @@ class VerifyReport:
     def ok(self) -> bool:
         return bool(self.results) and not self.problems
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "problems": self.problems, "manifest_sha256": self.manifest_sha256,
                 "n_files": self.n_files, "n_hash_checks": self.n_hash_checks,
                 "checks": [{"check": check, "ok": not problems, "problems": problems}
                            for check, problems in self.results]}
 
 
-def _follow(doc, pointer: str):
+def _follow(doc: object, pointer: str) -> object:
     node = doc
     for key in pointer.split(".") if pointer else []:
         if isinstance(node, dict) and key in node:
@@ -428,7 +402,7 @@ def _follow(doc, pointer: str):
     return node
 
 
-def _hash_check(dir_fd: int, c: dict) -> str | None:
+def _hash_check(dir_fd: int, c: dict[str, str]) -> str | None:
     """One problem line, or None when every item carries the same non-empty value."""
     where = f"{c['file']}: {c['pointer'] or '<root>'}"
     try:
@@ -454,7 +428,7 @@ def _hash_check(dir_fd: int, c: dict) -> str | None:
     return None
 
 
-def _file_problem(dir_fd: int, rel: str, entry: dict) -> str | None:
+def _file_problem(dir_fd: int, rel: str, entry: dict[str, Any]) -> str | None:
     """Size first (from fstat), then the SHA-256 of at most entry['bytes'] + 1 bytes, in chunks."""
     try:
         fd = _open_file(dir_fd, rel)
@@ -476,7 +450,7 @@ def _file_problem(dir_fd: int, rel: str, entry: dict) -> str | None:
     return f"{rel}: SHA-256 differs from the manifest" if h.hexdigest() != entry["sha256"] else None
 
 
-def _unlisted(dir_fd: int, files: dict) -> list[str]:
+def _unlisted(dir_fd: int, files: dict[str, Any]) -> list[str]:
     """Every file or folder that the manifest does not account for (listed folders are searched)."""
     subdirs = {rel.split("/")[0] for rel in files if "/" in rel}
     problems = []
@@ -503,7 +477,7 @@ def _unlisted(dir_fd: int, files: dict) -> list[str]:
     return problems
 
 
-def verify(directory: str | os.PathLike, expected_manifest_sha256: str | None = None) -> VerifyReport:
+def verify(directory: str | os.PathLike[str], expected_manifest_sha256: str | None = None) -> VerifyReport:
     """Check an evidence directory byte for byte; report.problems[0] is the first thing wrong.
 
     Only real regular files inside the directory are read (symlinks, FIFOs, devices and sockets
@@ -547,7 +521,7 @@ def _verify(dir_fd: int, r: VerifyReport, expected: str | None) -> None:
                  [problem] if problem else [])
 
 
-def default_dir(root: str | os.PathLike, kind: str) -> Path:
+def default_dir(root: str | os.PathLike[str], kind: str) -> Path:
     """root/<kind>-<UTC YYYYmmdd-HHMMSS>-<4 hex>: a fresh name for EvidenceWriter."""
     if not _is_kind(kind):
         raise ValueError(f"evidence kind {kind!r} is not a plain name")

@@ -8,8 +8,12 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import ModelError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
 
 GGUF_MAGIC = b"GGUF"
 
@@ -71,7 +75,7 @@ DS4_ARCH = "deepseek4"
 DS4_RATIOS = (0, 4, 128)  # the compressor ratios this llama.cpp's deepseek4 graph and cache implement
 
 
-def _check_ds4_ratios(path: Path, ratios: list[int], n_layers) -> None:
+def _check_ds4_ratios(path: Path, ratios: list[int], n_layers: object) -> None:
     """Refuse what llama.cpp would crash on (SIGFPE without a ratio-4 layer) or misread."""
     if not ratios:
         return  # llama.cpp's loader requires the key and names it
@@ -97,18 +101,18 @@ NOT_MATRIX_NAMES = ("token_embd.weight",)
 INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 
-def _is_matrix(t) -> bool:
+def _is_matrix(t: ReaderTensor) -> bool:
     return (len(t.shape) >= 2 and t.name not in NOT_MATRIX_NAMES and t.tensor_type.name not in INTEGER_TYPES)
 
 
-def _field(reader, key):
+def _field(reader: GGUFReader, key: str) -> Any:  # a GGUF value: str, int, float, bool or a list
     f = reader.fields.get(key)
     if f is None:
         return None
     return f.contents()
 
 
-def read(path: str | os.PathLike) -> ModelInfo:
+def read(path: str | os.PathLike[str]) -> ModelInfo:
     """Parse the header; every failure becomes a one-line ModelError naming the file."""
     path = Path(path)
     _check_file(path)
@@ -130,7 +134,7 @@ def _read(path: Path) -> ModelInfo:
     if not arch:
         raise ModelError(f"GGUF has no general.architecture: {path}")
 
-    def get(key):
+    def get(key: str) -> Any:
         return _field(reader, f"{arch}.{key}")
 
     if _field(reader, "tokenizer.ggml.model") in ("none", "no_vocab"):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +94,7 @@ def code_object(arch: str, build_dir: Path = DEFAULT_BUILD) -> Path:
 class _Gpu:
     """The few hip-python calls the self-test needs (not yet run on hardware)."""
 
-    def __init__(self, index: int, co: Path):
+    def __init__(self, index: int, co: Path) -> None:
         from hip import hip
 
         from .devices import _check
@@ -100,24 +102,25 @@ class _Gpu:
         _check(hip.hipSetDevice(index))
         self.module = _check(hip.hipModuleLoadData(co.read_bytes()))
 
-    def buffer(self, data: bytes):
-        ptr = self.check(self.hip.hipMalloc(max(len(data), 4)))
+    def buffer(self, data: bytes) -> object:  # a hip-python device pointer
+        ptr: object = self.check(self.hip.hipMalloc(max(len(data), 4)))
         if data:
             self.check(self.hip.hipMemcpy(ptr, data, len(data), self.hip.hipMemcpyKind.hipMemcpyHostToDevice))
         return ptr
 
-    def launch(self, name: str, grid, block, args: tuple) -> None:
+    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               args: tuple[object, ...]) -> None:
         f = self.check(self.hip.hipModuleGetFunction(self.module, name.encode()))
         self.check(self.hip.hipModuleLaunchKernel(f, *grid, *block, sharedMemBytes=0, stream=None,
-                                                  kernelParams=None, extra=args))  # type: ignore[misc]
+                                                  kernelParams=None, extra=args))
         self.check(self.hip.hipDeviceSynchronize())
 
-    def read(self, ptr, nbytes: int) -> bytes:
+    def read(self, ptr: object, nbytes: int) -> bytes:
         out = bytearray(nbytes)
         self.check(self.hip.hipMemcpy(out, ptr, nbytes, self.hip.hipMemcpyKind.hipMemcpyDeviceToHost))
         return bytes(out)
 
-    def free(self, *ptrs) -> None:
+    def free(self, *ptrs: object) -> None:
         for p in ptrs:
             self.check(self.hip.hipFree(p))
 
@@ -138,11 +141,12 @@ def run_dense(gpu: _Gpu, case: Case, xq: bytes) -> np.ndarray:
 
 
 def selftest(device: Device, index: int, build_dir: Path = DEFAULT_BUILD,
-             progress=lambda done, total: None) -> list[dict]:
+             progress: Callable[[int, int], None] = lambda done, total: None) -> list[dict[str, Any]]:
     """Every dense kernel (type x ncols) on the GPU against the host body; one row per kernel.
     The routed-expert `_id` kernels are checked on the host only (CTest, pytest)."""
     gpu = _Gpu(index, code_object(device.arch, build_dir))
-    results, total = [], len(TYPES) * len(NCOLS)
+    results: list[dict[str, Any]] = []
+    total = len(TYPES) * len(NCOLS)
     for tname in TYPES:
         for ncols in NCOLS:
             case = make_case(tname, ncols, seed=ncols)

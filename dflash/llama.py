@@ -9,21 +9,25 @@ import ctypes
 import functools
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .errors import DflashError, LlamaError, ModelError
-from .supervisor import stage
+from .stage import stage
 
-_L = None            # the llama_cpp module once loaded
+_L: ModuleType | None = None  # the llama_cpp module once loaded (its attributes are Any here)
 _LIB_DIR: Path | None = None
 _LOG: list[str] = []  # recent llama.cpp warnings/errors, for error messages
-_log_cb = None       # keep the ctypes callback alive
+_log_cb: ctypes._CFunctionType | None = None  # keep the ctypes callback alive
 _RPC_REGISTERED: set[str] = set()  # endpoints whose devices are in ggml's backend registry
 
 
-def load_library(lib_dir: str | os.PathLike, verbose: bool = False):
+def load_library(lib_dir: str | os.PathLike[str], verbose: bool = False) -> ModuleType:
     """Import llama_cpp bound to libllama.so in `lib_dir` (once per process); `verbose` passes
     llama.cpp's log through to stderr."""
     global _L, _LIB_DIR, _log_cb
@@ -46,7 +50,7 @@ def load_library(lib_dir: str | os.PathLike, verbose: bool = False):
         raise LlamaError(f"cannot load llama.cpp from {lib_dir}: {e}".splitlines()[0]) from None
 
     @L.llama_log_callback
-    def _cb(level, text, user):
+    def _cb(level: int, text: bytes, user: int | None) -> None:  # c_int, c_char_p (never NULL), c_void_p
         msg = text.decode(errors="replace")
         if verbose:
             sys.stderr.write(msg)
@@ -81,7 +85,7 @@ def indexer_shortcut() -> bool:
     if fn is None:
         return False
     fn.restype, fn.argtypes = ctypes.c_int, []
-    return fn() != 0
+    return bool(fn() != 0)
 
 
 def supports_gpu() -> bool:
@@ -100,7 +104,7 @@ def library_files() -> list[Path]:
                   and ".so" in p.name and p.is_file() and not p.is_symlink())
 
 
-def _lib():
+def _lib() -> ModuleType:
     if _L is None:
         raise DflashError("llama.cpp library not loaded (call load_library first)")
     return _L
@@ -116,7 +120,7 @@ def _last_log() -> str:
     return _LOG[-1] if _LOG else "no message from llama.cpp"
 
 
-def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int) -> None:
+def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: int) -> None:
     """Quantize the GGUF `src` to the llama_ftype `ftype` with llama.cpp's own quantizer, one
     thread (deterministic), into `dst`."""
     L = _lib()
@@ -134,7 +138,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int) -> None
 # ggml devices and its RPC backend (libggml, libggml-base and libggml-rpc of the loaded library)
 
 @functools.lru_cache(maxsize=1)
-def _ggml():
+def _ggml() -> ctypes.CDLL:
     """libggml (the backend registry) with the prototypes dflash calls (one process, one library)."""
     if _LIB_DIR is None:
         raise DflashError("llama.cpp library not loaded (call load_library first)")
@@ -153,7 +157,7 @@ def _ggml():
 
 
 @functools.lru_cache(maxsize=1)
-def _ggml_rpc():
+def _ggml_rpc() -> ctypes.CDLL:
     """libggml-rpc with the prototypes dflash calls."""
     if _LIB_DIR is None:
         raise DflashError("llama.cpp library not loaded (call load_library first)")
@@ -174,12 +178,12 @@ def gpu_devices() -> list[int]:
     """The local GPU devices of the loaded library (ggml device handles), in ggml's order: what
     hip:N / cuda:N index. RPC devices are not among them."""
     g = _ggml()
-    out = []
+    out: list[int] = []
     for i in range(g.ggml_backend_dev_count()):
-        dev = g.ggml_backend_dev_get(i)
+        dev = g.ggml_backend_dev_get(i)  # never NULL for i < count
         reg_name = (g.ggml_backend_reg_name(g.ggml_backend_dev_backend_reg(dev)) or b"").decode()
         if g.ggml_backend_dev_type(dev) in (1, 2) and not reg_name.startswith("RPC"):  # GPU, IGPU
-            out.append(dev)
+            out.append(int(dev))
     return out
 
 
@@ -187,7 +191,7 @@ def rpc_add_servers(endpoints: list[str]) -> list[int]:
     """Register RPC servers (as llama.cpp's --rpc does) and return their devices' handles, server
     by server. Call only after dflash.rpc.probe answered for each: ggml aborts on a dead server."""
     g, r = _ggml(), _ggml_rpc()
-    out = []
+    out: list[int] = []
     for ep in endpoints:
         stage(f"RPC server registration ({ep})")
         reg = r.ggml_backend_rpc_add_server(ep.encode())  # ggml keeps one per endpoint
@@ -196,7 +200,7 @@ def rpc_add_servers(endpoints: list[str]) -> list[int]:
         if ep not in _RPC_REGISTERED:  # a second engine in this process (a memory estimate) reuses it
             g.ggml_backend_register(reg)
             _RPC_REGISTERED.add(ep)
-        out += [g.ggml_backend_reg_dev_get(reg, i) for i in range(g.ggml_backend_reg_dev_count(reg))]
+        out += [int(g.ggml_backend_reg_dev_get(reg, i)) for i in range(g.ggml_backend_reg_dev_count(reg))]
     return out
 
 
@@ -205,6 +209,7 @@ def rpc_serve(endpoint: str, threads: int, device: str) -> None:
     (HOST:PORT): blocks while the server runs (one client at a time); returns only when ggml could
     not set it up (its reason is in the captured native output)."""
     g, r = _ggml(), _ggml_rpc()
+    dev: int | None
     if device == "cpu":
         dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     else:
@@ -232,9 +237,9 @@ class Model:
     only (llama.cpp's no_alloc): contexts on such a model compute what they would allocate
     (memory()) and cannot decode."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
+    def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0,
                  main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[int] | None = None,
-                 extra_bufts: bool = True, no_alloc: bool = False, mmap: bool = True):
+                 extra_bufts: bool = True, no_alloc: bool = False, mmap: bool = True) -> None:
         L = _lib()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
@@ -243,8 +248,8 @@ class Model:
         mp.no_alloc = no_alloc  # metadata and tensor shapes only: sizes are computed, nothing is read
         if no_alloc or not mmap:
             mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: weights read into buffers (no_alloc maps nothing either)
-        self._split = None
-        self._devices = None
+        self._split: ctypes.Array[ctypes.c_float] | None = None
+        self._devices: ctypes.Array[ctypes.c_void_p] | None = None
         if devices:
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
             mp.devices = ctypes.cast(self._devices, ctypes.c_void_p)
@@ -256,17 +261,17 @@ class Model:
             mp.split_mode = L.LLAMA_SPLIT_MODE_NONE  # everything on main_gpu
         _LOG.clear()
         stage(f"model load ({path})")
-        self.ptr = L.llama_model_load_from_file(str(path).encode(), mp)
+        self.ptr: int | None = L.llama_model_load_from_file(str(path).encode(), mp)  # llama_model *
         if not self.ptr:
             raise LlamaError(f"llama.cpp could not load {path}: {_last_log()}")
         self.path = str(path)
-        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.vocab: int = L.llama_model_get_vocab(self.ptr)  # const llama_vocab *, never NULL
         if L.llama_vocab_type(self.vocab) == L.LLAMA_VOCAB_TYPE_NONE:
             L.llama_model_free(self.ptr)
             self.ptr = None
             raise ModelError(f"{path} has no vocabulary (tokenizer model 'none'): it cannot tokenize a prompt")
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx_train = L.llama_model_n_ctx_train(self.ptr)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(self.ptr))
 
     def tokenize(self, text: str) -> list[int]:
         L = _lib()
@@ -280,7 +285,7 @@ class Model:
             n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, True, False)
         if n < 0:
             raise LlamaError("tokenization failed")
-        return list(buf[:n])
+        return [int(t) for t in buf[:n]]
 
     def piece(self, token: int) -> bytes:
         L = _lib()
@@ -305,7 +310,7 @@ class Model:
     def __enter__(self) -> Model:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -313,7 +318,8 @@ class Context:
     """One sequence's context. `decode` runs one llama_decode over one band."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, *, flash_attn: bool | None = False,
-                 max_band: int = 512, eval_callback=None):
+                 max_band: int = 512, eval_callback: object = None) -> None:
+        # eval_callback: a ggml_backend_sched_eval_callback (GraphTap.callback), or None
         L = _lib()
         self.model = model
         cp = L.llama_context_default_params()
@@ -332,13 +338,13 @@ class Context:
             cp.cb_eval_user_data = None
         _LOG.clear()
         stage(f"context creation ({n_ctx} tokens)")
-        self.ptr = L.llama_init_from_model(model.ptr, cp)
+        self.ptr: int | None = L.llama_init_from_model(model.ptr, cp)  # llama_context *
         if not self.ptr:
             raise LlamaError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_log()}")
-        self.n_ctx = L.llama_n_ctx(self.ptr)
-        self.max_band = cp.n_batch
-        self.mem = L.llama_get_memory(self.ptr)
-        self.batch = L.llama_batch_init(self.max_band, 0, 1)
+        self.n_ctx = int(L.llama_n_ctx(self.ptr))
+        self.max_band = int(cp.n_batch)
+        self.mem: int | None = L.llama_get_memory(self.ptr)  # llama_memory_t
+        self.batch: ctypes.Structure = L.llama_batch_init(self.max_band, 0, 1)  # llama_batch
         self.n_vocab = model.n_vocab
 
     def memory(self) -> dict[str, int]:
@@ -360,7 +366,7 @@ class Context:
         """Forget every cached token (cache-cold start for the next request)."""
         _lib().llama_memory_clear(self.mem, True)
 
-    def decode(self, tokens, pos: int, logits: str = "all") -> np.ndarray | None:
+    def decode(self, tokens: Sequence[int], pos: int, logits: str = "all") -> npt.NDArray[np.float32] | None:
         """Decode `tokens` at positions pos.. in one llama_decode call.
 
         logits: "all" returns a (width, n_vocab) float32 copy, "last" a (1, n_vocab) copy,
@@ -371,7 +377,7 @@ class Context:
             raise LlamaError(f"band width {w} outside 1..{self.max_band}")
         if pos + w > self.n_ctx:
             raise LlamaError(f"positions {pos}..{pos + w - 1} exceed the context of {self.n_ctx}")
-        b = self.batch
+        b: Any = self.batch
         for j, t in enumerate(tokens):
             b.token[j] = t
             b.pos[j] = pos + j
@@ -398,7 +404,7 @@ class Context:
     def __enter__(self) -> Context:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -427,7 +433,7 @@ class _GgmlTensor(ctypes.Structure):
     ]
 
 
-def _ggml_base():
+def _ggml_base() -> ctypes.CDLL:
     if _LIB_DIR is None:
         raise DflashError("llama.cpp library not loaded (call load_library first)")
     lib = ctypes.CDLL(str(_LIB_DIR / "libggml-base.so"))
@@ -446,7 +452,7 @@ class GraphTap:
     list of (name, op, ne, array) in graph order, arrays shaped like numpy views of the tensor
     (ne reversed: outermost first)."""
 
-    def __init__(self, want):
+    def __init__(self, want: Callable[[str], object]) -> None:  # want(name): truthy to copy that node
         L = _lib()
         self._want = want
         self._base = _ggml_base()
@@ -454,7 +460,7 @@ class GraphTap:
         self._error: BaseException | None = None
 
         @L.ggml_backend_sched_eval_callback
-        def cb(t_ptr, ask, user):
+        def cb(t_ptr: int, ask: bool, user: int | None) -> bool:  # ggml_tensor * (never NULL), bool, void *
             try:
                 return observe(t_ptr, ask)
             except BaseException as e:  # ctypes would print and drop it; take() raises it instead
@@ -462,7 +468,7 @@ class GraphTap:
                     self._error = e
                 return not ask  # asked: decline the node; observing: let the graph run on
 
-        def observe(t_ptr, ask):
+        def observe(t_ptr: int, ask: bool) -> bool:
             t = ctypes.cast(t_ptr, ctypes.POINTER(_GgmlTensor)).contents
             dtype = _NP_TYPES.get(t.type)
             name = t.name.decode(errors="replace")
@@ -470,7 +476,7 @@ class GraphTap:
                 return dtype is not None and bool(self._want(name))
             if dtype is None:
                 return True
-            n = self._base.ggml_nbytes(t_ptr)
+            n = int(self._base.ggml_nbytes(t_ptr))
             raw = np.empty(n, dtype=np.uint8)
             self._base.ggml_backend_tensor_get(t_ptr, raw.ctypes.data, 0, n)
             ne, nb = tuple(t.ne), tuple(t.nb)
@@ -481,7 +487,7 @@ class GraphTap:
             self._nodes.append((name, self._base.ggml_op_desc(t_ptr).decode(), ne, arr))
             return True
 
-        self.callback = cb
+        self.callback: ctypes._CFunctionType = cb
 
     def take(self) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
         """The nodes seen since the last take(); an error raised while copying one is raised here."""

@@ -1,7 +1,7 @@
 """Run one prompt across configurations and compare their fingerprints.
 
-Each configuration runs `dflash prefill --compare-q1 --json` in its own process (one llama.cpp
-library per process), whose output is read back as a PrefillResult: CPU with 1 and 2 threads on
+Each configuration runs Session.prefill(compare_q1=True) in a worker process of its own
+(dflash.worker; one llama.cpp library per process), which answers a PrefillResult: CPU with 1 and 2 threads on
 the exact and stock libraries, each HIP device, and a layer split across two HIP devices when
 two are present; with RPC servers (--rpc), every layer on the first server's device, the CPU and
 that device in a split, and two servers' devices in a split, with the local exact library on
@@ -10,19 +10,15 @@ engine.repack_for). Rows that cannot run here are listed with the reason.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import devices
 from .errors import DflashError
 from .results import Library, MatrixResult, MatrixRow, PrefillResult, Skipped
 from .rpc import Remote
-from .settings import ENV_LIB_DIR
+from .settings import Settings
+from .worker import Worker
 
 
 @dataclass(frozen=True)
@@ -48,8 +44,8 @@ class Row:
         return self.result is not None
 
 
-def configurations(threads=(1, 2), libs=("exact", "stock"), remote: Remote | None = None
-                   ) -> tuple[list[Config], list[Skipped]]:
+def configurations(threads: tuple[int, ...] = (1, 2), libs: tuple[str, ...] = ("exact", "stock"),
+                   remote: Remote | None = None) -> tuple[list[Config], list[Skipped]]:
     """(configs to run, skipped rows with reasons)."""
     cfgs = [Config(f"cpu t{t} {lib}", "cpu", t, lib) for lib in libs for t in threads]
     skipped = []
@@ -94,26 +90,16 @@ def rpc_configurations(remote: Remote, threads: int) -> list[Config]:
     return cfgs
 
 
-def run_config(cfg: Config, passthrough: list[str]) -> Row:
-    cmd = [sys.executable, "-m", "dflash", "prefill", "--compare-q1", "--json", "--bands",
-           "--lib", cfg.lib, "--threads", str(cfg.threads), "--device", cfg.device, *passthrough]
-    if not cfg.repack and not cfg.rpc:
-        cmd.append("--no-repack")
-    if cfg.rpc:
-        cmd += ["--rpc", ",".join(cfg.rpc)] + (["--allow-mixed-builds"] if cfg.allow_mixed_builds else [])
-    # DFLASH_LLAMA_LIB_DIR (e.g. a HIP build) stands for the exact library only
-    drop = {"LLAMA_CPP_LIB_PATH"} | ({ENV_LIB_DIR} if cfg.lib != "exact" else set())
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if not r.stdout.strip():  # it failed before printing: its one-line error says why
-        return Row(cfg, error=(r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1])
+def run_config(cfg: Config, *, chunk: int | str, n_predict: int, model: str | None, prompt: str | None,
+               settings: Settings | None = None) -> Row:
+    """The configuration's prefill with its q1 comparison, in a worker process of its own."""
     try:
-        result = PrefillResult.from_json(r.stdout, f"{cfg.name}: prefill output")
+        with Worker(settings=settings, lib=cfg.lib, threads=cfg.threads, device=cfg.device, model=model,
+                    repack=cfg.repack, rpc=list(cfg.rpc) or None, allow_mixed_builds=cfg.allow_mixed_builds,
+                    bands=True, chunk=chunk) as w:
+            return Row(cfg, w.prefill(prompt, n_predict=n_predict, compare_q1=True))
     except DflashError as e:
-        return Row(cfg, error=str(e))
-    if result.comparison is None:
-        return Row(cfg, error=f"{cfg.name}: prefill output has no q1 comparison")
-    return Row(cfg, result)
+        return Row(cfg, error=e.render())
 
 
 def compare(rows: Sequence[Row], skipped: Sequence[Skipped] = ()) -> MatrixResult:
@@ -153,20 +139,14 @@ def compare(rows: Sequence[Row], skipped: Sequence[Skipped] = ()) -> MatrixResul
 
 def run(n_predict: int, chunk: int | str, model: str | None = None, prompt: str | None = None,
         progress: Callable[[int, int], None] = lambda done, total: None,
-        remote: Remote | None = None) -> MatrixResult:
-    """Every configuration that can run here, one process each, on the same prompt (`prompt`, or
-    the built-in one) and model, compared (see compare)."""
-    passthrough = ["--chunk", str(chunk), "--n-predict", str(n_predict)]
-    if model:
-        passthrough += ["--model", model]
+        remote: Remote | None = None, settings: Settings | None = None) -> MatrixResult:
+    """Every configuration that can run here, one worker process each, on the same prompt
+    (`prompt`, or the built-in one) and model, with the environment flags of `settings`, compared
+    (see compare)."""
     cfgs, skipped = configurations(remote=remote)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="dflash-matrix-") as tmp:
-        if prompt is not None:  # every row reads the same prompt, whatever --prompt-file was
-            prompt_path = Path(tmp) / "prompt.txt"
-            prompt_path.write_text(prompt, encoding="utf-8")
-            passthrough += ["--prompt-file", str(prompt_path)]
-        for i, cfg in enumerate(cfgs):
-            rows.append(run_config(cfg, passthrough))
-            progress(i + 1, len(cfgs))
+    for i, cfg in enumerate(cfgs):
+        rows.append(run_config(cfg, chunk=chunk, n_predict=n_predict, model=model, prompt=prompt,
+                               settings=settings))
+        progress(i + 1, len(cfgs))
     return compare(rows, skipped)

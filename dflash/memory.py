@@ -17,10 +17,12 @@ only the 128-token window: kv_bytes grows with n_ctx.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .engine import Engine
-from .errors import UsageError
+from .errors import UsageError, arg
 
 SCORE_BYTES = 4        # one float32 score per pooled row and token
 MASK_PAD = 256         # llama.cpp pads compressed-attention masks to this many rows
@@ -28,7 +30,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str, what: str = "--memory-budget") -> int:
+def parse_size(text: str, what: str = arg('memory_budget')) -> int:
     """'96GiB', '512MiB', '1.5TB', '1000000' -> bytes (binary KiB/MiB/GiB/TiB, decimal kB/MB/GB/TB)."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
@@ -72,7 +74,7 @@ class MemoryRow:
     def total_bytes(self) -> int:
         return self.weights_bytes + self.context_bytes + self.compute_bytes
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"width": self.width, "total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes,
                 "context_bytes": self.context_bytes, "kv_bytes": self.kv_bytes,
                 "compressed_kv_bytes": self.compressed_kv_bytes, "indexer_cache_bytes": self.indexer_cache_bytes,
@@ -91,7 +93,8 @@ def row(width: int, sizes: dict[str, int], rows: int | None) -> MemoryRow:
         compute_bytes=sizes["compute"], indexer_scores_bytes=None if rows is None else rows * width * SCORE_BYTES)
 
 
-def estimate(eng: Engine, n_ctx: int, widths: list[int], progress=lambda done, total: None) -> list[MemoryRow]:
+def estimate(eng: Engine, n_ctx: int, widths: list[int],
+             progress: Callable[[int, int], None] = lambda done, total: None) -> list[MemoryRow]:
     """One row per width for a context of n_ctx tokens on the engine's model (loaded with no_alloc
     for an estimate, or for real for a measurement): a context is created and freed per width."""
     rows = indexer_rows(eng.info.compress_ratios, n_ctx)
@@ -126,9 +129,9 @@ class Budget:
             raise UsageError(
                 f"width {width} needs {r.total_bytes} bytes ({human(r.total_bytes)}: weights {human(r.weights_bytes)}, "
                 f"caches {human(r.context_bytes)}, compute {human(r.compute_bytes)}) for a context of {self.n_ctx} "
-                f"tokens, over --memory-budget {self.limit} bytes ({human(self.limit)})")
+                f"tokens, over {arg('memory_budget')} {self.limit} bytes ({human(self.limit)})")
 
-    def to_json(self, width: int) -> dict:
+    def to_json(self, width: int) -> dict[str, Any]:
         r = self.row(width)
         return {"budget_bytes": self.limit, "n_ctx": self.n_ctx, "width": width, "total_bytes": r.total_bytes,
                 "estimate": r.to_json()}

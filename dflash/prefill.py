@@ -5,23 +5,28 @@ Fingerprints (SHA-256, hex):
   prompt    prompt token ids as int32 little-endian
   tokens    response token ids as int32 little-endian
   response  the response text's bytes as llama.cpp detokenizes them
+
+Logits that are not finite (NaN, an infinity) fail the request with one line naming the first
+position and the library: no fingerprint is ever taken of them.
 """
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .bands import Band
+from .errors import LlamaError
 from .results import Library, PrefillResult, Q1Comparison, Q1Run
-from .supervisor import stage
+from .stage import stage
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .llama import Context
 
 Progress = Callable[[int, int], None]
 
@@ -44,7 +49,7 @@ class Request:
     start: int = 0            # > 0: resume; tokens[:start] are already in the context (an earlier
     #                           request with n_predict=0), so the context is not cleared
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {self.logits!r}")
         pos = self.start
@@ -59,7 +64,8 @@ class Request:
 
 
 @dataclass
-class Result:
+class RequestOutput:
+    """One request's raw output (PrefillResult is the typed result built from it)."""
     widths: list[int]
     n_prompt_tokens: int  # tokens this request prefilled (after req.start when resuming)
     prefill_seconds: float
@@ -78,7 +84,7 @@ class Result:
 
 
 @dataclass
-class Prefilled:
+class PromptOutput:
     """The prompt part of a request: the logits hash, the last position's logits (None with no
     prompt tokens) and, with keep_logits, every row by position."""
     logits_sha256: str
@@ -87,8 +93,22 @@ class Prefilled:
     kept: np.ndarray | None = field(default=None, repr=False)
 
 
-def prefill(ctx, req: Request, progress: Progress = _noop,
-            on_band: Callable[[Band], None] | None = None) -> Prefilled:
+def check_finite(out: np.ndarray, first_position: int, library: str) -> None:
+    """LlamaError naming the first position whose logits hold a NaN or an infinity. One sum per
+    row finds them (any non-finite value makes the sum non-finite; finite logits are far from
+    float32's overflow), so the check costs a fraction of hashing them."""
+    sums = out.sum(axis=1, dtype=np.float32)
+    if np.isfinite(sums).all():
+        return
+    bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
+    row = int(bad[0]) if bad.size else int(np.flatnonzero(~np.isfinite(sums))[0])
+    kind = "NaN" if np.isnan(out[row]).any() else "an infinity"
+    raise LlamaError(f"the logits at position {first_position + row} hold {kind}: the llama.cpp library "
+                     f"{library} computed non-finite values (a broken or half-built library?)")
+
+
+def prefill(ctx: Context, req: Request, progress: Progress = _noop,
+            on_band: Callable[[Band], None] | None = None, library: str = "") -> PromptOutput:
     """Clear the context (unless resuming) and run one llama_decode per band.
 
     Logits are hashed (and kept) for positions req.start..n-1; kept rows are indexed by position.
@@ -106,6 +126,7 @@ def prefill(ctx, req: Request, progress: Progress = _noop,
         out = ctx.decode(req.tokens[b.start:b.end], b.start, logits=req.logits
                          if req.logits == "all" or b.end == n else "none")
         if out is not None:
+            check_finite(out, b.end - len(out), library)
             if req.logits == "all":
                 h.update(np.ascontiguousarray(out, dtype="<f4").data)  # no copy on little-endian hosts
                 if kept is not None:
@@ -117,35 +138,46 @@ def prefill(ctx, req: Request, progress: Progress = _noop,
     seconds = time.perf_counter() - t0
     if req.logits == "last" and last is not None:
         h.update(np.ascontiguousarray(last, dtype="<f4").data)
-    return Prefilled(h.hexdigest(), last, seconds, kept)
+    return PromptOutput(h.hexdigest(), last, seconds, kept)
 
 
-def decode(ctx, last: np.ndarray | None, pos: int, n_predict: int) -> tuple[list[int], float]:
+def greedy(ctx: Context, last: np.ndarray | None, pos: int, n_predict: int,
+           library: str = "") -> Iterator[tuple[int, np.ndarray]]:
     """Greedy response after a prefill whose last logits are `last`, from position `pos`: up to
-    n_predict tokens, stopping at end-of-generation or the end of the context. Returns the tokens
-    and the seconds spent."""
-    response: list[int] = []
-    t0 = time.perf_counter()
-    while len(response) < n_predict and last is not None:
+    n_predict (token, the logits it was chosen from) pairs, stopping at end-of-generation or the
+    end of the context."""
+    n = 0
+    while n < n_predict and last is not None:
         tok = int(np.argmax(last))
         if ctx.model.is_eog(tok):
-            break
-        response.append(tok)
-        if len(response) == n_predict or pos >= ctx.n_ctx:
-            break
-        stage(f"decode of response token {len(response)} at position {pos}")
-        last = ctx.decode([tok], pos, logits="last")[0]
+            return
+        yield tok, last
+        n += 1
+        if n == n_predict or pos >= ctx.n_ctx:
+            return
+        stage(f"decode of response token {n} at position {pos}")
+        out = ctx.decode([tok], pos, logits="last")
+        assert out is not None  # logits="last" always returns a row
+        check_finite(out, pos, library)
+        last = out[0]
         pos += 1
+
+
+def decode(ctx: Context, last: np.ndarray | None, pos: int, n_predict: int,
+           library: str = "") -> tuple[list[int], float]:
+    """The greedy response's tokens (see greedy) and the seconds spent."""
+    t0 = time.perf_counter()
+    response = [tok for tok, _ in greedy(ctx, last, pos, n_predict, library)]
     return response, time.perf_counter() - t0
 
 
-def run(ctx, req: Request, progress: Progress = _noop,
-        on_band: Callable[[Band], None] | None = None) -> Result:
+def run(ctx: Context, req: Request, progress: Progress = _noop,
+        on_band: Callable[[Band], None] | None = None, library: str = "") -> RequestOutput:
     """One request: prefill band by band, then greedy-decode n_predict tokens."""
-    p = prefill(ctx, req, progress, on_band)
-    response, decode_s = decode(ctx, p.last, len(req.tokens), req.n_predict)
+    p = prefill(ctx, req, progress, on_band, library)
+    response, decode_s = decode(ctx, p.last, len(req.tokens), req.n_predict, library)
     text = ctx.model.detokenize(response)
-    return Result(
+    return RequestOutput(
         widths=[b.width for b in req.bands], n_prompt_tokens=len(req.tokens) - req.start,
         prefill_seconds=p.seconds, decode_seconds=decode_s, logits_sha256=p.logits_sha256,
         prompt_sha256=sha256_tokens(req.tokens), response_tokens=response, response_text=text,
@@ -156,7 +188,7 @@ def run(ctx, req: Request, progress: Progress = _noop,
 # ---------------------------------------------------------------------------------------------
 # One request on an engine: what `dflash prefill` runs
 
-def compare_q1(banded: Result, q1: Result) -> Q1Comparison:
+def compare_q1(banded: RequestOutput, q1: RequestOutput) -> Q1Comparison:
     """The band run against the q1 run of the same request: identical when both the logits and the
     response hashes are equal."""
     return Q1Comparison(
@@ -165,26 +197,29 @@ def compare_q1(banded: Result, q1: Result) -> Q1Comparison:
         speedup=q1.prefill_seconds / banded.prefill_seconds if banded.prefill_seconds else None)
 
 
-def run_request(eng: Engine, tokens: list[int], *, n_predict: int = 16, resume_at: int = 0,
+ContextFor = Callable[[int, int], "Context"]  # (n_ctx, max_band) -> a context the caller owns
+
+
+def run_request(eng: Engine, tokens: list[int], context: ContextFor, *, n_predict: int = 16, resume_at: int = 0,
                 logits: str = "all", ctx: int | None = None, compare: bool = False,
-                progress: Progress = _noop) -> PrefillResult:
-    """Prefill `tokens` with the engine's band schedule (planned as two parts when resume_at > 0)
-    and decode n_predict tokens; with `compare`, run the q1 schedule of the same request on the
-    same context afterwards and compare the two (PrefillResult.comparison)."""
+                bands: list[Band] | None = None, progress: Progress = _noop) -> PrefillResult:
+    """Prefill `tokens` with the engine's band schedule (planned as two parts when resume_at > 0;
+    or the explicit `bands`) and decode n_predict tokens, on the context `context(n_ctx, max_band)`
+    gives; with `compare`, run the q1 schedule of the same request on the same context afterwards
+    and compare the two (PrefillResult.comparison)."""
     n_ctx = eng.context_size(len(tokens), n_predict, ctx)
-    bands = eng.request_bands(len(tokens), resume_at)
-    c = eng.context(n_ctx, max(b.width for b in bands))
-    try:
-        r = run(c, Request(tokens, bands, n_predict, logits), progress)
-        q1 = None
-        if compare:
-            q1 = run(c, Request(tokens, eng.request_bands(len(tokens), resume_at, bands_on=False), n_predict, logits))
-    finally:
-        c.close()
+    bands = eng.request_bands(len(tokens), resume_at) if bands is None else bands
+    c = context(n_ctx, max(b.width for b in bands))
+    lib = str(eng.lib_dir)
+    r = run(c, Request(tokens, bands, n_predict, logits), progress, library=lib)
+    q1 = None
+    if compare:
+        q1 = run(c, Request(tokens, eng.request_bands(len(tokens), resume_at, bands_on=False), n_predict, logits),
+                 library=lib)
     return describe(eng, r, n_ctx, compare_q1(r, q1) if q1 is not None else None)
 
 
-def describe(eng: Engine, r: Result, n_ctx: int, comparison: Q1Comparison | None = None) -> PrefillResult:
+def describe(eng: Engine, r: RequestOutput, n_ctx: int, comparison: Q1Comparison | None = None) -> PrefillResult:
     """A request's result with the engine's model, library and settings."""
     s = eng.settings
     return PrefillResult(

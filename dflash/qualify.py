@@ -27,7 +27,7 @@ so on such a model the planner runs of caps 5..8 use the same bands as cap 4; th
 runs decode w-wide bands, so the largest exact width is the widest band of either run.
 
 Wide bands: widths up to 512 can be qualified; the per-width verdicts become a qualification
-record (dflash/qualification.py) that --chunk auto and --chunk N > 4 run from. The recommended
+record (dflash/proofs.py) that --chunk auto and --chunk N > 4 run from. The recommended
 chunk is the widest width this run proves (what --chunk auto picks from its record), with the
 band mode: fixed-width bands across compressor boundaries when the fixed-width runs prove it,
 else the planner. A fixed-width run must really decode a band of its width: the prompt parts
@@ -41,10 +41,14 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from . import diff, llama, prefill, qualification, records, settings
+from . import diff, llama, prefill, proofs, provenance, settings
 from .bands import BOUNDARY, START, TAIL, Band, fixed_bands, positive_ratios
-from .errors import UsageError
+from .engine import Engine
+from .errors import UsageError, arg
+from .evidence import EvidenceWriter
 from .results import Library, QualificationRef, QualifyReport, QualifyResult, RecordRef, RunCheck, WidthResult
 from .trace import Row, Trace, bit_equal, comparable, first_differing_row
 
@@ -74,13 +78,13 @@ def long_prompt(base: str, tokenize: Callable[[str], list[int]], widest: int) ->
     return text, tokens
 
 
-def verdicts(results: Iterable[WidthResult], evidence_dir: str | None = None) -> tuple[qualification.Verdict, ...]:
+def verdicts(results: Iterable[WidthResult], evidence_dir: str | None = None) -> tuple[proofs.Verdict, ...]:
     """The qualification record's per-width verdicts from qualify's results (width 1: both runs
     are the q1 repeat)."""
     out = []
     for r in results:
         p, f = r.planner, r.fixed or r.planner
-        out.append(qualification.Verdict(r.width, p.exact, p.widest_band, f.exact, f.widest_band, evidence_dir))
+        out.append(proofs.Verdict(r.width, p.exact, p.widest_band, f.exact, f.widest_band, evidence_dir))
     return tuple(out)
 
 
@@ -174,12 +178,13 @@ class Run:
     label: str
     width: int                # the planner's cap (1 for the q1 runs)
     bands: list[Band]
-    result: prefill.Result
+    result: prefill.RequestOutput
     routing: Trace
 
 
-def run_schedule(eng, tap, label: str, width: int, tokens: list[int], bands: list[Band],
-                 n_predict: int, progress=lambda done, total: None) -> Run:
+def run_schedule(eng: Engine, tap: llama.GraphTap, label: str, width: int, tokens: list[int],
+                 bands: list[Band], n_predict: int,
+                 progress: Callable[[int, int], None] = lambda done, total: None) -> Run:
     """One cache-cold request with the routing nodes of every band tapped."""
     r, trace = diff.traced_request(eng, tap, tokens, bands, n_predict, progress, strict=False)
     return Run(label, width, bands, r, trace)
@@ -208,14 +213,15 @@ def request_record(run: Run, exact: bool) -> dict:
             "prefill_seconds": r.prefill_seconds, "exact": exact}
 
 
-def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
+def qualify(eng: Engine, tap: llama.GraphTap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
             resume_at: int | None = None, n_predict: int = 8,
-            progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[QualifyReport, dict]:
+            progress: Callable[[int, int], None] = lambda done, total: None
+            ) -> tuple[QualifyReport, dict[str, Any]]:
     """Run q1 and every width; returns (report, requests) for output and evidence."""
     n = len(tokens)
     ws = sorted({1, *widths})
     if ws[0] < 1:
-        raise UsageError(f"--widths must be >= 1, got {ws[0]}")
+        raise UsageError(f"{arg('widths')} must be >= 1, got {ws[0]}")
     resume_at = default_resume_point(n, eng.info.compress_ratios) if resume_at is None else resume_at
     if not 0 < resume_at < n:
         raise UsageError(f"the resume point {resume_at} must be inside the prompt (1..{n - 1}); "
@@ -231,7 +237,7 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
                          + " (use a longer --prompt, other --widths or --resume-at)")
     total = n * (len(ws) + len(fixed) + 1)
 
-    def step(i):
+    def step(i: int) -> Callable[[int, int], None]:
         return lambda done, _n: progress(i * n + done, total)
 
     ref = run_schedule(eng, tap, "q1 reference", 1, tokens, eng.request_bands(n, resume_at, bands_on=False),
@@ -253,7 +259,7 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
             requests.append(request_record(frun, f.exact))
         results.append(WidthResult(planner, f))
     rec = recommend({r.width: r.exact for r in results}, {r.width: r.widest_band for r in results})
-    chunk, mode = qualification.widest_proven(verdicts(results))
+    chunk, mode = proofs.widest_proven(verdicts(results))
     report = QualifyReport(
         model=eng.info.path, architecture=eng.info.architecture,
         library=Library(eng.settings.lib, str(eng.lib_dir)), threads=eng.threads, n_tokens=n,
@@ -265,28 +271,30 @@ def qualify(eng, tap, tokens: list[int], widths: Iterable[int] = DEFAULT_WIDTHS,
     return report, {"requests": requests, "exact_requests": [q for q in requests if q["exact"]]}
 
 
-def qualify_and_record(eng, text: str, tokens: list[int], writer, widths: Iterable[int] = DEFAULT_WIDTHS,
+def qualify_and_record(eng: Engine, text: str, tokens: list[int], writer: EvidenceWriter,
+                       widths: Iterable[int] = DEFAULT_WIDTHS,
                        resume_at: int | None = None, n_predict: int = 8, device: str = "cpu",
                        progress: Callable[[int, int], None] = lambda done, total: None,
                        warn: Callable[[str], None] = lambda msg: None) -> QualifyResult:
     """qualify(), then its verdicts as the qualification record of this library, model and device:
     a copy goes into the open EvidenceWriter `writer` (committed here with the provenance, results
     and requests), the record in the user cache is merged with it."""
-    ident = qualification.identity(eng.settings, eng.info.path, device, eng.remote, eng.repack)
+    ident = proofs.identity(eng.settings, eng.info.path, device, eng.remote, eng.repack)
     tap = llama.GraphTap(lambda name: ROUTING_NODE.fullmatch(name) is not None)
     report, requests = qualify(eng, tap, tokens, widths, resume_at, n_predict, progress)
-    record = qualification.Record(ident, str(eng.info.path), qualification.now_utc(),
+    record = proofs.Record(ident, str(eng.info.path), proofs.now_utc(),
                                   verdicts(report.results, str(writer.final_dir)))
-    writer.write_bytes(qualification.FILE_NAME, qualification.render(record))
-    ref = RecordRef(str(qualification.record_path(ident)), ident.key, qualification.FILE_NAME)
-    directory, sha = write_evidence(writer, records.provenance(eng, None, text, tokens), report, ref, requests)
-    stored = qualification.save(record, warn)
-    width, mode = qualification.widest_proven(stored.widths)
+    writer.write_bytes(proofs.FILE_NAME, proofs.render(record))
+    ref = RecordRef(str(proofs.record_path(ident)), ident.key, proofs.FILE_NAME)
+    directory, sha = write_evidence(writer, provenance.provenance(eng, None, text, tokens), report, ref, requests)
+    stored = proofs.save(record, warn)
+    width, mode = proofs.widest_proven(stored.widths)
     return QualifyResult(report, QualificationRef(ref, width, mode, tuple(v.width for v in stored.widths)),
                          str(directory), sha)
 
 
-def write_evidence(ev, provenance: dict[str, dict], report: QualifyReport, record: RecordRef, requests: dict):
+def write_evidence(ev: EvidenceWriter, provenance: dict[str, dict[str, Any]], report: QualifyReport,
+                   record: RecordRef, requests: dict[str, Any]) -> tuple[Path, str]:
     """Fill an open EvidenceWriter with provenance records, results.json (the report and where its
     record went) and requests.json and commit it; returns (dir, manifest sha256)."""
     for name, rec in provenance.items():

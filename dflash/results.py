@@ -22,13 +22,14 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from .errors import DflashError
+from .errors import DflashError, NotExactError
 from .settings import Qualified
 from .trace import NodeDiff
 
 Json = dict[str, Any]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,11 @@ class PrefillResult:
             "indexer_shortcut": self.indexer_shortcut, "memory_budget": self.memory_budget,
             **(self.comparison.to_json() if self.comparison is not None else _NO_COMPARISON),
         }
+
+    def check_exact(self) -> None:
+        """NotExactError when the q1 comparison (compare_q1) found different hashes."""
+        if self.comparison is not None and not self.comparison.identical:
+            raise NotExactError("the band schedule's hashes differ from q1: this build/schedule is not exact")
 
     @classmethod
     def from_json(cls, data: str | bytes | Mapping[str, Any], what: str = "prefill result") -> PrefillResult:
@@ -549,7 +555,7 @@ class _Fields:
     def boolean(self, key: str) -> bool:
         return self.get(key, (bool,))
 
-    def _items(self, key: str, t: type) -> tuple:
+    def _items(self, key: str, t: type[_T]) -> tuple[_T, ...]:
         vs = self.get(key, (list,))
         for i, v in enumerate(vs):
             if not isinstance(v, t) or isinstance(v, bool):

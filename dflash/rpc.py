@@ -20,8 +20,9 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any
 
-from .errors import DflashError, UsageError
+from .errors import DflashError, UsageError, arg
 
 PROTOCOL = (7, 0, 0)        # RPC_PROTO_{MAJOR,MINOR,PATCH}_VERSION of the pinned ggml-rpc.h
 CMD_HELLO = 14              # fixed across versions (static_assert in ggml-rpc.cpp)
@@ -63,9 +64,9 @@ def parse_endpoints(text: str | None) -> tuple[Endpoint, ...]:
         return ()
     eps = tuple(parse_endpoint(part) for part in text.split(","))
     if len(set(eps)) != len(eps):
-        raise UsageError(f"--rpc {text!r} names a server twice")
+        raise UsageError(f"{arg('rpc')} {text!r} names a server twice")
     if len(eps) > 16:
-        raise UsageError(f"--rpc names {len(eps)} servers; ggml's RPC backend takes at most 16")
+        raise UsageError(f"{arg('rpc')} names {len(eps)} servers; ggml's RPC backend takes at most 16")
     return eps
 
 
@@ -78,11 +79,11 @@ def bind_address(host: str, allow_remote: bool) -> tuple[str, str | None]:
     except ValueError:
         addr = None
     if addr is None or addr.version != 4:
-        raise UsageError(f"--host {host!r} is not an IPv4 address (ggml's RPC server binds IPv4 addresses only)")
+        raise UsageError(f"{arg('host')} {host!r} is not an IPv4 address (ggml's RPC server binds IPv4 addresses only)")
     if addr.is_loopback:
         return str(addr), None
     if not allow_remote:
-        raise UsageError(f"--host {host} is not a loopback address: the RPC protocol has no authentication, "
+        raise UsageError(f"{arg('host')} {host} is not a loopback address: the RPC protocol has no authentication, "
                          f"and anyone who reaches the port can use this machine's device and read and write its "
                          f"memory; pass --allow-remote to serve a trusted, isolated network")
     return str(addr), (f"serving on {addr}, not a loopback address: the RPC protocol has no authentication or "
@@ -100,7 +101,7 @@ class ServerInfo:
     flavor: str | None            # "exact" / "stock" (from the build id)
     device: str | None            # the server's --device (cpu, hip:N, ...)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "protocol": self.protocol, "n_devices": self.n_devices,
                 "build": self.build, "flavor": self.flavor, "device": self.device}
 
@@ -193,7 +194,7 @@ class RemoteDevice:
     def id(self) -> str:
         return f"rpc:{self.index}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "endpoint": self.server.endpoint, "server_device": self.server_device,
                 "build": self.server.build, "flavor": self.server.flavor, "served_device": self.server.device}
 
@@ -237,16 +238,17 @@ def connect(rpc: str | None, rpc_ids: list[int], allow_mixed_builds: bool = Fals
     endpoints = parse_endpoints(rpc)
     if not endpoints:
         if rpc_ids:
-            raise UsageError(f"--device rpc:{rpc_ids[0]} needs --rpc HOST:PORT (the server serving it)")
+            raise UsageError(f"{arg('device')} rpc:{rpc_ids[0]} needs {arg('rpc')} HOST:PORT (the server serving it)")
         return None
     if not rpc_ids:
-        raise UsageError("--rpc registers servers whose devices --device names as rpc:N; it names none "
-                         "(e.g. --device rpc:0, or cpu,rpc:0 for a split)")
+        raise UsageError(f"{arg('rpc')} registers servers whose devices {arg('device')} names as rpc:N; it names none "
+                         f"(e.g. {arg('device')} rpc:0, or cpu,rpc:0 for a split)")
     remote = Remote(tuple(probe(ep) for ep in endpoints), allow_mixed_builds)
     n = len(remote.devices)
     missing = [i for i in rpc_ids if i >= n]
     if missing:
-        raise UsageError(f"--device rpc:{missing[0]}: the --rpc servers offer {n} device(s) (rpc:0..rpc:{n - 1})")
+        raise UsageError(f"{arg('device')} rpc:{missing[0]}: the {arg('rpc')} servers offer {n} device(s) "
+                         f"(rpc:0..rpc:{n - 1})")
     return remote
 
 

@@ -12,12 +12,14 @@ Flags:
   DFLASH_LLAMA_VERBOSE            boolean: pass llama.cpp's log through to stderr
   DFLASH_DEBUG                    boolean: tracebacks instead of one-line errors (read by the CLI
                                   edge through `debug_flag`, before any Settings exist)
-Option --chunk: 1..4 (narrow bands, as the flags above say), or 5..512 and `auto`, which need a
-qualification record (dflash/qualification.py): the caller looks it up and passes what it proves
-as `qualified`; both imply bands on unless --no-bands.
+The library reads no environment: `from_env()` is the explicit way to take these flags from
+os.environ (the CLI does); `resolve(env, ...)` takes them from any mapping ({} for none).
+Option chunk: 1..4 (narrow bands, as the flags above say), or 5..512 and `auto`, which need a
+qualification record (dflash/proofs.py): dflash/choice.py looks it up and passes what it proves
+as `qualified`; both imply bands on unless bands=False.
 The effective LUCE_MMVQ_MAX_NCOLS and DFLASH_NARROW_MMVQ are exported to the process before
-llama.cpp loads, so a HIP build's narrow kernels route exactly the widths dflash labels narrow (or,
-switched off, none).
+llama.cpp loads (and never changed after), so a HIP build's narrow kernels route exactly the widths
+dflash labels narrow (or, switched off, none).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from .errors import UsageError
+from .errors import UsageError, arg
 from .paths import FLAVORS
 
 ENV_BANDS = "DFLASH_DS4_EXACT_PREFILL_BANDS"
@@ -82,9 +84,9 @@ def parse_chunk(value: Chunk | None) -> Chunk | None:
         try:
             value = int(text)
         except ValueError:
-            raise UsageError(f"--chunk {value!r} is malformed (use 1..{MAX_CHUNK} or {AUTO})") from None
+            raise UsageError(f"{arg('chunk')} {value!r} is malformed (use 1..{MAX_CHUNK} or {AUTO})") from None
     if not 1 <= value <= MAX_CHUNK:
-        raise UsageError(f"--chunk {value} is out of range: use 1..{MAX_BAND}, or up to {MAX_CHUNK} "
+        raise UsageError(f"{arg('chunk')} {value} is out of range: use 1..{MAX_BAND}, or up to {MAX_CHUNK} "
                          f"or {AUTO} with a qualification record")
     return value
 
@@ -116,11 +118,17 @@ class Settings:
     verbose: bool = False             # DFLASH_LLAMA_VERBOSE
     bands_from: str = "default"       # where `bands` came from: default, env, option, chunk
     mmvq_from: str = "default"
-    env_raw: tuple = ()               # (name, value) of every dflash flag set, as given
+    env_raw: tuple[tuple[str, str], ...] = ()  # (name, value) of every dflash flag set, as given
     chunk_requested: Chunk = MAX_BAND  # --chunk as given (AUTO or an int)
     qualified: Qualified | None = None  # the record behind a width > 4 or auto
     narrow: bool = True               # DFLASH_NARROW_MMVQ: the HIP build's dflash hooks on
     indexer_shortcut: str = "on"      # DFLASH_DS4_INDEXER_SHORTCUT: on, off, or force (a planted bug)
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None, *, bands: bool | None = None, chunk: Chunk | None = None,
+                 lib: str = "exact") -> Settings:
+        """Settings from dflash's environment flags (os.environ unless `env`) and these options."""
+        return from_env(env, bands=bands, chunk=chunk, lib=lib)
 
     @property
     def fixed(self) -> bool:
@@ -144,6 +152,11 @@ class Settings:
         return {ENV_MMVQ: str(self.mmvq_max_ncols), ENV_NARROW: "1" if self.narrow else "0",
                 ENV_SHORTCUT: {"on": "1", "off": "0", "force": "force"}[self.indexer_shortcut]}
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The dflash flags these settings were resolved from, as given (a mapping for `resolve`)."""
+        return dict(self.env_raw)
+
     def warnings(self) -> list[str]:
         if self.leaves_narrow_path and self.qualified is None:  # a record proves what it runs
             return [f"bands wider than {ENV_MMVQ}={self.mmvq_max_ncols} run batched kernels and "
@@ -163,13 +176,19 @@ def debug_flag(env: Mapping[str, str] | None = None) -> bool:
     return bool(env_bool(ENV_DEBUG, env))
 
 
-def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
-            chunk: Chunk | None = None, lib: str = "exact", qualified: Qualified | None = None) -> Settings:
-    """Combine environment and options; options win over the environment.
+def from_env(env: Mapping[str, str] | None = None, *, bands: bool | None = None, chunk: Chunk | None = None,
+             lib: str = "exact", qualified: Qualified | None = None) -> Settings:
+    """The explicit way to read dflash's environment flags (os.environ unless `env` is given):
+    what the CLI runs with. The library itself reads no environment."""
+    return resolve(os.environ if env is None else env, bands=bands, chunk=chunk, lib=lib, qualified=qualified)
 
-    --chunk auto or N > 4 implies bands on (unless bands=False) and needs `qualified`, what the
+
+def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk | None = None, lib: str = "exact",
+            qualified: Qualified | None = None) -> Settings:
+    """Combine the flags in `env` (a mapping: {} for none; see from_env) and options; options win.
+
+    chunk auto or N > 4 implies bands on (unless bands=False) and needs `qualified`, what the
     caller's qualification record proves (auto without one runs 4, as the caller says)."""
-    env = os.environ if env is None else env
     requested = parse_chunk(chunk)
     requested = MAX_BAND if requested is None else requested
     env_bands = env_bool(ENV_BANDS, env)
@@ -188,7 +207,7 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
     elif qualified is not None and (requested in (AUTO, qualified.width)):
         chunk = qualified.width
     elif requested != AUTO:
-        raise UsageError(f"--chunk {requested} needs a qualification record proving width {requested} "
+        raise UsageError(f"{arg('chunk')} {requested} needs a qualification record proving width {requested} "
                          f"exact (run `dflash qualify --widths {requested}`)")
 
     mmvq_from = "default"
@@ -199,10 +218,10 @@ def resolve(env: Mapping[str, str] | None = None, *, bands: bool | None = None,
         mmvq = BANDS_MMVQ_DEFAULT if bands_on else UPSTREAM_MMVQ_DEFAULT
 
     if lib not in LIBS:
-        raise UsageError(f"--lib {lib!r} is unknown (use one of {', '.join(LIBS)})")
+        raise UsageError(f"{arg('lib')} {lib!r} is unknown (use one of {', '.join(LIBS)})")
     lib_dir = env.get(ENV_LIB_DIR, "").strip() or None
     if lib_dir and lib != "exact":
-        raise UsageError(f"{ENV_LIB_DIR} replaces the exact library; unset it to run --lib {lib}")
+        raise UsageError(f"{ENV_LIB_DIR} replaces the exact library; unset it to run {arg('lib')} {lib}")
     verbose = bool(env_bool(ENV_VERBOSE, env))
     narrow = env_bool(ENV_NARROW, env) is not False  # unset or empty: on
     raw_shortcut = env.get(ENV_SHORTCUT, "").strip().lower()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
+from typing import Any
 
 
 def _number(x: float, what: str) -> float:
@@ -68,7 +69,7 @@ def drift_percent(a_median: float, b_median: float) -> float:
     return _percent_change(a_median, b_median, "a_median", "b_median")
 
 
-def summarize(samples: Iterable[float]) -> dict:
+def summarize(samples: Iterable[float]) -> dict[str, Any]:
     """{"samples": [...], "median": ..., "mad": ..., "n": ...} for one series of measurements.
 
     Samples come back as plain ints and floats (numpy scalars are converted) so the dict goes

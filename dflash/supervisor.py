@@ -1,8 +1,9 @@
-"""Commands that load llama.cpp run in a supervised worker process.
+"""The one way dflash runs llama.cpp in another process: a supervised worker.
 
 A crash, abort or hang inside llama.cpp cannot be caught in the process it happens in, so the
-`dflash` entry point runs those commands (see SUPERVISED) as a child `python -m dflash ...` and
-watches it:
+`dflash` entry point (dflash/__main__.py) runs the commands that load llama.cpp as a child
+`python -m dflash ...`, and dflash/worker.py's client runs a Session in a child that answers
+typed requests (sweep, matrix); `supervise` and `Worker` watch such a child the same way:
 
 * The worker's Python output (sys.stdout, sys.stderr) goes to the real stdout and stderr through
   duplicated descriptors; descriptors 1 and 2 themselves, where llama.cpp, ggml and the C runtime
@@ -18,7 +19,7 @@ watches it:
 * DFLASH_STALL_TIMEOUT=S (seconds, off by default) stops a worker whose stage has not changed
   for S seconds: a hang inside llama.cpp ends with one line and exit 1.
 
-This module imports nothing heavy: the parent process is only this.
+This module imports nothing heavy: the CLI's parent process is only this and dflash/stage.py.
 """
 from __future__ import annotations
 
@@ -30,79 +31,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-SUPERVISED = frozenset({"prefill", "bench", "qualify", "diff", "tiny-model", "devices", "kernels", "rpc-server",
-                        "memory"})
-LIVE_NATIVE_OUTPUT = frozenset({"rpc-server"})  # a server's log is passed on as it is written, not at exit
-ENV_WORKER = "DFLASH_WORKER"          # set by the supervisor in the worker: "OUT_FD,ERR_FD,STATE_PATH"
+from .stage import DONE_AT, ENV_WORKER, SCRATCH_AT, STAGE_AT, STATE_SIZE
+
+if TYPE_CHECKING:
+    from types import FrameType
+
 ENV_STALL = "DFLASH_STALL_TIMEOUT"    # seconds without a stage change before a worker is stopped
 GRACE_SECONDS = 10.0                  # how long an interrupted worker may take to clean up
 
-# state file layout: fixed slots rewritten in place (pwrite), read by the supervisor after exit
-_STAGE_AT, _SCRATCH_AT, _DONE_AT, _STATE_SIZE = 0, 1024, 8192, 8200
-_state_fd: int | None = None
 _SOURCE_PREFIX = re.compile(r"^\S+\.(?:c|cc|cpp|cu|h):\d+: ")  # GGML_ABORT's "file:line: " before its text
-
-
-# ---------------------------------------------------------------------------------------------
-# worker side
-
-
-def _put(offset: int, text: str, size: int) -> None:
-    if _state_fd is None:
-        return
-    data = text.encode("utf-8", errors="replace")[: size - 1]
-    try:
-        os.pwrite(_state_fd, data + b"\0" * (size - len(data)), offset)
-    except OSError:
-        pass  # the supervisor is gone or the file was removed: nothing to report to
-
-
-def stage(text: str) -> None:
-    """Record what the worker is doing now (no-op outside a supervised worker)."""
-    _put(_STAGE_AT, text, _SCRATCH_AT - _STAGE_AT)
-
-
-def owns_scratch(path: str | os.PathLike | None) -> None:
-    """Record a temp directory the supervisor removes if the worker dies (None: nothing owned)."""
-    _put(_SCRATCH_AT, "" if path is None else str(path), _DONE_AT - _SCRATCH_AT)
-
-
-def exiting(code: int) -> None:
-    """Record that the worker leaves through dflash's own exit path (its message is printed)."""
-    _put(_DONE_AT, f"{code:>3}", _STATE_SIZE - _DONE_AT)
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived: unwind (temp files are removed on the way) and exit 130. Not a
-    KeyboardInterrupt, which click would turn into a bare 'Aborted!'."""
-
-
-def _first_interrupt_only(signum, frame):
-    """SIGINT/SIGTERM raise Interrupted once; a repeat (the terminal's and the supervisor's copy
-    of one Ctrl-C) must not break the cleanup the first one started."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signal.Signals(signum).name)
-
-
-def become_worker() -> bool:
-    """In a supervised worker: point Python's stdout/stderr at the real ones, keep descriptors 1
-    and 2 (llama.cpp's) on the capture file, open the state file. False outside a worker."""
-    global _state_fd
-    spec = os.environ.pop(ENV_WORKER, None)
-    if not spec:
-        signal.signal(signal.SIGTERM, _first_interrupt_only)  # SIGTERM stops like Ctrl-C
-        return False
-    out_fd, err_fd, state = spec.split(",", 2)
-    sys.stdout = os.fdopen(int(out_fd), "w", buffering=1, encoding="utf-8", errors="replace")
-    sys.stderr = os.fdopen(int(err_fd), "w", buffering=1, encoding="utf-8", errors="replace")
-    _state_fd = os.open(state, os.O_WRONLY)
-    signal.signal(signal.SIGINT, _first_interrupt_only)
-    signal.signal(signal.SIGTERM, _first_interrupt_only)
-    stage("start-up")
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,32 +131,68 @@ def _say(kind: str, msg: str) -> None:
     sys.stderr.flush()
 
 
+class Child:
+    """A dflash worker process started under watch: its state file and the capture of what
+    llama.cpp writes to descriptors 1 and 2. `out_fd` is where the worker's Python stdout goes (the
+    real stdout by default; a pipe for a protocol worker), `stdin` as subprocess.Popen takes it."""
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str] | None = None, *, out_fd: int | None = None,
+                 stdin: int | None = None):
+        self.workdir = Path(tempfile.mkdtemp(prefix="dflash-worker-"))
+        self.state, self.capture = self.workdir / "state", self.workdir / "native-output"
+        try:
+            self.state.write_bytes(b"\0" * STATE_SIZE)
+            out = os.dup(1) if out_fd is None else out_fd
+            err = os.dup(2)
+            child_env = dict(os.environ if env is None else env)
+            child_env[ENV_WORKER] = f"{out},{err},{self.state}"
+            child_env.setdefault("GGML_NO_BACKTRACE", "1")  # no debugger attached to a dying worker
+            try:
+                with open(self.capture, "wb") as cap:
+                    self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=cap, stderr=cap, pass_fds=(out, err),
+                                                 env=child_env, preexec_fn=_die_with_parent)
+            finally:
+                os.close(out)
+                os.close(err)
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+
+    def slots(self) -> tuple[str, str, str]:
+        """(stage, scratch directory, done code) as the worker last wrote them."""
+        data = self.state.read_bytes()
+        return (_read_slot(data, STAGE_AT, SCRATCH_AT) or "start-up", _read_slot(data, SCRATCH_AT, DONE_AT),
+                _read_slot(data, DONE_AT, STATE_SIZE))
+
+    def died(self) -> str:
+        """After the worker ended outside dflash's own exit path: remove the temp directory it owned
+        and say how it ended, in which stage, with llama.cpp's last line."""
+        stage_text, scratch, _ = self.slots()
+        _remove(scratch)
+        native = _last_native_line(self.capture)
+        return (f"llama.cpp worker {describe_exit(self.proc.wait())} during {stage_text}"
+                + (f": {native}" if native else ""))
+
+    def relay(self) -> None:
+        """Pass what llama.cpp wrote on to stderr (a run that ended normally)."""
+        _relay(self.capture)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 def supervise(cmd: list[str], env: dict[str, str] | None = None, live: bool = False) -> int:
     """Run `cmd` (a dflash worker) under supervision; returns the exit code to use. `live` passes
     llama.cpp's output on while the worker runs (a server's log) instead of after it ends."""
     stall = _stall_timeout()
-    workdir = Path(tempfile.mkdtemp(prefix="dflash-worker-"))
+    child = Child(cmd, env)
     try:
-        state, capture = workdir / "state", workdir / "native-output"
-        state.write_bytes(b"\0" * _STATE_SIZE)
-        out_fd, err_fd = os.dup(1), os.dup(2)
-        child_env = dict(os.environ if env is None else env)
-        child_env[ENV_WORKER] = f"{out_fd},{err_fd},{state}"
-        child_env.setdefault("GGML_NO_BACKTRACE", "1")  # no debugger attached to a dying worker
-        with open(capture, "wb") as cap:
-            proc = subprocess.Popen(cmd, stdout=cap, stderr=cap, pass_fds=(out_fd, err_fd), env=child_env,
-                                    preexec_fn=_die_with_parent)
-        os.close(out_fd)
-        os.close(err_fd)
-        tail = _Tail(capture) if live else None
-        outcome = _watch(proc, state, stall, tail)
+        tail = _Tail(child.capture) if live else None
+        outcome = _watch(child.proc, child.state, stall, tail)
         if tail is not None:
             tail()
-        data = state.read_bytes()
-        stage_text = _read_slot(data, _STAGE_AT, _SCRATCH_AT) or "start-up"
-        scratch = _read_slot(data, _SCRATCH_AT, _DONE_AT)
-        done = _read_slot(data, _DONE_AT, _STATE_SIZE)
-        rc = proc.returncode
+        stage_text, scratch, done = child.slots()
+        rc = child.proc.returncode
         if outcome == "interrupted" and done == "":
             _remove(scratch)
             _say("error", f"interrupted during {stage_text}"
@@ -228,15 +205,12 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, live: bool = Fa
             return 1
         if done != "" and rc >= 0:  # dflash's own exit path ran and printed whatever it had to say
             if not live:
-                _relay(capture)
+                child.relay()
             return rc
-        _remove(scratch)
-        native = _last_native_line(capture)
-        _say("error", f"llama.cpp worker {describe_exit(rc)} during {stage_text}"
-                      + (f": {native}" if native else ""))
+        _say("error", child.died())
         return 1
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        child.cleanup()
 
 
 def _die_with_parent() -> None:
@@ -254,12 +228,12 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _watch(proc: subprocess.Popen, state: Path, stall: float | None, tick: _Tail | None = None) -> str:
+def _watch(proc: subprocess.Popen[bytes], state: Path, stall: float | None, tick: _Tail | None = None) -> str:
     """Wait for the worker: 'exited', 'interrupted' (and stopped), or 'stalled' (and killed);
     `tick` runs between polls."""
     stop_at: list[float] = []
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: FrameType | None) -> None:
         if not stop_at:
             stop_at.append(time.monotonic() + GRACE_SECONDS)
         try:
@@ -284,7 +258,7 @@ def _watch(proc: subprocess.Popen, state: Path, stall: float | None, tick: _Tail
                 proc.wait()
                 return "interrupted"
             if stall is not None and not stop_at:
-                current = state.read_bytes()[:_SCRATCH_AT]
+                current = state.read_bytes()[:SCRATCH_AT]
                 if current != last_state:
                     last_state, last_change = current, now
                 elif now - last_change > stall:
@@ -294,32 +268,3 @@ def _watch(proc: subprocess.Popen, state: Path, stall: float | None, tick: _Tail
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def worker_command(argv: list[str]) -> str | None:
-    """The subcommand named in argv when it loads llama.cpp, else None."""
-    for a in argv:
-        if a == "--":
-            return None
-        if not a.startswith("-"):
-            return a if a in SUPERVISED else None
-    return None
-
-
-def run_cli(argv: list[str]) -> None:
-    """Run the CLI in this process (a worker, or a command that loads no llama.cpp)."""
-    from .cli import main as cli_main
-    try:
-        cli_main(argv)
-    except SystemExit as e:
-        exiting(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
-        raise
-
-
-def main() -> None:
-    """The `dflash` entry point."""
-    argv = sys.argv[1:]
-    command = worker_command(argv)
-    if not become_worker() and command is not None and "--help" not in argv and "-h" not in argv:
-        sys.exit(supervise([sys.executable, "-m", "dflash", *argv], live=command in LIVE_NATIVE_OUTPUT))
-    run_cli(argv)

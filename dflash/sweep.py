@@ -1,6 +1,6 @@
 """`dflash sweep`: prefill throughput per llama.cpp library and band width, side by side.
 
-One worker process per library (`dflash.sweep_worker`: a process loads one library). The parent
+One worker process per library (dflash.worker: a Session in a child; a process loads one library). The parent
 sends one request at a time and waits for its answer, so at most one worker computes at any
 moment (ggml's threads spin while they work: two busy llama.cpp processes on a few cores slow
 each other down many times over); an idle worker blocks on its stdin and uses no CPU.
@@ -16,18 +16,20 @@ plus copying and hashing its logits (as prefill.run measures).
 from __future__ import annotations
 
 import io
-import json
-import os
-import subprocess
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 from . import stats
-from .errors import DflashError, UsageError
+from .errors import DflashError, UsageError, arg
+from .evidence import EvidenceWriter
 from .paths import FLAVORS
-from .settings import ENV_LIB_DIR
-from .supervisor import describe_exit
+from .prefill import sha256_tokens
+from .results import PrefillResult
+from .settings import Settings
+from .tiny_model import DEFAULT_WEIGHTS
+from .worker import Worker
 
 DEFAULT_WIDTHS = "1,4,64,512"
 DEFAULT_LIBS = "exact,stock"
@@ -42,10 +44,10 @@ def parse_widths(text: str) -> tuple[int, ...]:
     reference) is always measured, so it is added when missing."""
     parts = [p.strip() for p in str(text).split(",")]
     if not all(p.isdigit() for p in parts):
-        raise UsageError(f"--widths {text!r} must be comma-separated positive integers, e.g. 1,4,64,512")
+        raise UsageError(f"{arg('widths')} {text!r} must be comma-separated positive integers, e.g. 1,4,64,512")
     widths = {int(p) for p in parts}
     if 0 in widths:
-        raise UsageError(f"--widths {text!r}: every width must be >= 1")
+        raise UsageError(f"{arg('widths')} {text!r}: every width must be >= 1")
     return tuple(sorted(widths | {1}))
 
 
@@ -53,10 +55,10 @@ def parse_libs(text: str) -> tuple[str, ...]:
     """'exact,stock' -> ('exact', 'stock'), in the order given, each once."""
     libs = [p.strip() for p in str(text).split(",")]
     if not any(libs):
-        raise UsageError(f"--libs is empty (use {', '.join(FLAVORS)})")
+        raise UsageError(f"{arg('libs')} is empty (use {', '.join(FLAVORS)})")
     unknown = [lib for lib in libs if lib not in FLAVORS]
     if unknown:
-        raise UsageError(f"--libs {text!r}: unknown library {unknown[0]!r} (use {', '.join(FLAVORS)})")
+        raise UsageError(f"{arg('libs')} {text!r}: unknown library {unknown[0]!r} (use {', '.join(FLAVORS)})")
     return tuple(dict.fromkeys(libs))
 
 
@@ -156,7 +158,8 @@ class SweepResult:
                 "exact_library_exact": self.exact_library_exact, "warnings": list(self.warnings)}
 
 
-def summarize(samples: list[Sample], libs, widths) -> tuple[list[Row], list[Tax], float | None]:
+def summarize(samples: list[Sample], libs: Sequence[str], widths: Sequence[int]
+              ) -> tuple[list[Row], list[Tax], float | None]:
     """Rows (per library and width: timed medians, MAD, exactness), taxes, the stock q1 median."""
     timed = {(lib, w): [s.tokens_per_second for s in samples if (s.lib, s.width, s.kind) == (lib, w, "timed")]
              for lib in libs for w in widths}
@@ -181,55 +184,53 @@ def summarize(samples: list[Sample], libs, widths) -> tuple[list[Row], list[Tax]
 # worker processes
 
 
-class Worker:
-    """A `python -m dflash.sweep_worker` process for one library; `call` is one request."""
+def repeat_to(tokenize: Callable[[str], list[int]], text: str, need: int) -> tuple[str, list[int], int]:
+    """The text repeated (joined by spaces) the fewest times that give at least `need` tokens:
+    (text, tokens, repeats)."""
+    rep = lambda k: " ".join([text] * k)
+    tokens, k = tokenize(text), 1
+    while len(tokens) < need:  # jump by the estimate, then step back to the fewest repeats
+        k = max(k + 1, -(-k * need // max(len(tokens), 1)))
+        tokens = tokenize(rep(k))
+    while k > 1 and len(fewer := tokenize(rep(k - 1))) >= need:
+        k, tokens = k - 1, fewer
+    return rep(k), tokens, k
 
-    def __init__(self, lib: str, setup: dict):
+
+class LibraryRun:
+    """One library's worker process (dflash.worker: a Session in a child) and the prompt it runs:
+    the plan's text repeated to the widest width, cut to the model's context if need be."""
+
+    def __init__(self, lib: str, plan: Plan):
         self.lib = lib
-        # DFLASH_LLAMA_LIB_DIR stands for the exact library only; the worker picks its own library
-        drop = {"LLAMA_CPP_LIB_PATH"} | ({ENV_LIB_DIR} if lib != "exact" else set())
-        env = {k: v for k, v in os.environ.items() if k not in drop}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.sweep_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.worker = Worker(settings=plan.settings, lib=lib, model=plan.model,
+                             weights=plan.weights or DEFAULT_WEIGHTS, threads=plan.threads,
+                             bands=True, max_band=max(plan.widths))
         try:
-            self.ready = self.call({**setup, "lib": lib})
+            text, tokens, repeats = repeat_to(self.worker.tokenize, plan.prompt, max(plan.widths))
+            info = self.worker.info
+            limit = info["n_ctx_train"] or info["context_length"] or 0
+            truncated_from = None
+            if limit and len(tokens) + VERIFY_N_PREDICT > limit:
+                truncated_from = len(tokens)
+                tokens = tokens[:max(limit - VERIFY_N_PREDICT, 1)]
+            self.tokens = tokens
+            self.ready = {"n_tokens": len(tokens), "tokens_sha256": sha256_tokens(tokens), "repeats": repeats,
+                          "truncated_from": truncated_from, "threads": info["threads"],
+                          "provenance": self.worker.provenance(text, tokens)}
         except BaseException:
-            self.close()
+            self.worker.close()
             raise
 
-    def call(self, msg: dict) -> dict:
-        stdin, stdout = self.proc.stdin, self.proc.stdout
-        assert stdin is not None and stdout is not None  # both are pipes
-        try:
-            stdin.write(json.dumps(msg) + "\n")
-            stdin.flush()
-            line = stdout.readline()
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            rc = self.proc.wait()
-            raise DflashError(f"the {self.lib} library's worker {describe_exit(rc)} without an answer")
-        try:
-            answer = json.loads(line)
-        except json.JSONDecodeError:
-            raise DflashError(f"the {self.lib} worker answered {line.strip()[:80]!r}, not JSON") from None
-        if "error" in answer:
-            self.proc.wait()
-            cls = UsageError if answer.get("exit_code") == 2 else DflashError
-            raise cls(f"{self.lib} library: {answer['error']}")
-        return answer
+    def run(self, width: int, kind: str) -> PrefillResult:
+        """One cache-cold request in fixed-width bands of `width`: "verify" hashes every position's
+        logits and decodes a short response, the others the last position only and nothing."""
+        verify = kind == "verify"
+        return self.worker.prefill(self.tokens, schedule=f"w{width}", n_predict=VERIFY_N_PREDICT if verify else 0,
+                                   logits="all" if verify else "last", ctx=len(self.tokens) + VERIFY_N_PREDICT)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            stdin = self.proc.stdin
-            assert stdin is not None
-            try:
-                stdin.write(json.dumps({"quit": True}) + "\n")
-                stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        self.worker.close()
 
 
 @dataclass
@@ -242,6 +243,7 @@ class Plan:
     model: str | None = None
     weights: str | None = None
     threads: int | None = None
+    settings: Settings | None = None  # the environment flags (Settings.from_env()) for every worker
 
 
 @dataclass
@@ -252,7 +254,7 @@ class Measurement:
     warnings: list[str]
 
 
-def schedule(libs, widths, warmup: int, runs: int) -> list[tuple[str, int, str, int]]:
+def schedule(libs: tuple[str, ...], widths: Sequence[int], warmup: int, runs: int) -> list[tuple[str, int, str, int]]:
     """(lib, width, kind, round) in run order: verification per library, then warm-up and timed
     rounds, each round every library and width once, the library order alternating."""
     todo = [(lib, w, "verify", 0) for lib in libs for w in widths]
@@ -265,13 +267,11 @@ def schedule(libs, widths, warmup: int, runs: int) -> list[tuple[str, int, str, 
 
 def measure(plan: Plan, progress: Callable[[int, int], None] = lambda d, t: None,
             log: Log = lambda s: None) -> Measurement:
-    setup = {"model": plan.model, "weights": plan.weights, "threads": plan.threads, "prompt": plan.prompt,
-             "min_tokens": max(plan.widths), "max_width": max(plan.widths), "n_predict": VERIFY_N_PREDICT}
-    workers: dict[str, Worker] = {}
+    workers: dict[str, LibraryRun] = {}
     try:
         for lib in plan.libs:  # one after the other: the first may write the built-in model
             log(f"starting the {lib} worker")
-            workers[lib] = Worker(lib, setup)
+            workers[lib] = LibraryRun(lib, plan)
         ready = {lib: w.ready for lib, w in workers.items()}
         prompts = {(r["n_tokens"], r["tokens_sha256"]) for r in ready.values()}
         if len(prompts) != 1:
@@ -284,9 +284,9 @@ def measure(plan: Plan, progress: Callable[[int, int], None] = lambda d, t: None
         todo = schedule(plan.libs, widths, plan.warmup, plan.runs)
         samples = []
         for k, (lib, width, kind, rnd) in enumerate(todo):
-            a = workers[lib].call({"width": width, "kind": kind})
-            samples.append(Sample(lib, width, kind, rnd, a["prefill_seconds"], a["tokens_per_second"],
-                                  a["logits_sha256"], a["response_sha256"], a["n_bands"]))
+            a = workers[lib].run(width, kind)
+            samples.append(Sample(lib, width, kind, rnd, a.prefill_seconds, a.prefill_tokens_per_second,
+                                  a.logits_sha256, a.response_sha256, len(a.widths)))
             progress(k + 1, len(todo))
     finally:
         for worker in workers.values():
@@ -337,10 +337,10 @@ def plot_png(r: SweepResult) -> bytes:
     return buf.getvalue()
 
 
-def write_evidence(w, argv: list[str], options: dict, m: Measurement, r: SweepResult,
-                   png: bytes) -> tuple:
+def write_evidence(w: EvidenceWriter, argv: list[str], options: dict[str, Any], m: Measurement, r: SweepResult,
+                   png: bytes) -> tuple[Path, str]:
     """Fill an open EvidenceWriter and commit it; returns (dir, manifest sha256)."""
-    from .records import machine_facts
+    from .provenance import machine_facts
     first = m.ready[r.libs[0]]["provenance"]
     w.write_json("command.json", {**first["command.json"], "argv": list(argv)})
     w.write_json("machine.json", machine_facts())

@@ -29,14 +29,18 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .evidence import fsync_path
+from .fileio import fsync_dir, fsync_file, sha256_file, temp_path, write_text_atomic
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 ARCH = "deepseek4"
 HC = 4  # hyper-connection count (the loader asserts 4)
@@ -90,7 +94,7 @@ class TinyConfig:
     hash_layers: int = 1
     n_ctx_train: int = 4096
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r} (use one of {', '.join(WEIGHTS)})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
@@ -111,7 +115,7 @@ class TinyConfig:
         return f"tiny-ds4-{self.weights}-s{self.seed}.gguf"
 
 
-def _types(weights: str):
+def _types(weights: str) -> dict[str, GGMLQuantizationType]:
     from gguf import GGMLQuantizationType as QT
     if weights == "mxfp4":
         return {"dense": QT.Q8_0, "exps": QT.MXFP4, "embd": QT.BF16, "out": QT.BF16, "router": QT.BF16}
@@ -125,19 +129,13 @@ def needs_quantizer(weights: str) -> bool:
     return weights in QUANTIZED
 
 
-def _temp(directory: Path, suffix: str = ".gguf") -> str:
-    """A new empty file in `directory` (created exclusively, with the mode umask gives new files,
-    not mkstemp's 0600: the model lands at its name with that mode)."""
-    while True:
-        tmp = str(directory / f".tiny-{secrets.token_hex(8)}{suffix}")
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
+def _temp(directory: Path) -> str:
+    """A new empty file in `directory` for a model (fileio.temp_path: created exclusively, with
+    the mode umask gives new files, not mkstemp's 0600: the model lands at its name with that mode)."""
+    return str(temp_path(directory, ".tiny-", ".gguf"))
 
 
-def write(path: str | os.PathLike, cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
+def write(path: str | os.PathLike[str], cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None) -> Path:
     """Write the model to `path` atomically; returns the path. K-quant presets need `quantize`
     (dflash.llama.quantize, with the library loaded): it turns the f32 model into them."""
     path = Path(path)
@@ -164,9 +162,10 @@ def _write_atomic(path: Path, cfg: TinyConfig, quantize: Quantizer | None,
             quantize(tmps[0], tmps[1], QUANTIZED[cfg.weights])
         else:
             _write(gguf, QT, tmps[0], cfg)
-        fsync_path(tmps[-1])  # the bytes are on disk before the name points at them
+        fsync_file(tmps[-1])  # the bytes are on disk before the name points at them
         before_replace(tmps[-1])
         os.replace(tmps[-1], path)
+        fsync_dir(path.parent)  # and the name itself survives a crash
     finally:
         for tmp in tmps:
             if os.path.exists(tmp):
@@ -185,7 +184,7 @@ def ds4_flash_shapes() -> TinyConfig:
                       n_shared=1, hash_layers=3, n_ctx_train=1048576)
 
 
-def write_shapes(path: str | os.PathLike, cfg: TinyConfig) -> Path:
+def write_shapes(path: str | os.PathLike[str], cfg: TinyConfig) -> Path:
     """A GGUF with `cfg`'s metadata and tensor shapes and no weights: the data section is a sparse
     hole of the right size (nothing is written to disk for it, reads give zeros). llama.cpp loads
     it with no_alloc for memory estimates (`dflash memory`); it cannot be run meaningfully."""
@@ -197,15 +196,17 @@ def write_shapes(path: str | os.PathLike, cfg: TinyConfig) -> Path:
     tmp = _temp(path.parent)
     try:
         _write(gguf, QT, tmp, cfg, shapes_only=True)
-        fsync_path(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
 
 
-def _write(gguf, QT, out: str, c: TinyConfig, shapes_only: bool = False) -> None:
+def _write(gguf: ModuleType, QT: type[GGMLQuantizationType], out: str, c: TinyConfig,
+           shapes_only: bool = False) -> None:
     rng = np.random.default_rng(c.seed)
     types = _types(c.weights)
     n_layer = len(c.ratios)
@@ -243,7 +244,8 @@ def _write(gguf, QT, out: str, c: TinyConfig, shapes_only: bool = False) -> None
     w.add_token_list([f"tok_{i}" for i in range(c.n_vocab)])
     w.add_token_scores([0.0] * c.n_vocab)
 
-    def add(name, shape, qtype, std=None, norm=False, values=None):
+    def add(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, std: float | None = None,
+            norm: bool = False, values: np.ndarray | None = None) -> None:
         if qtype not in (QT.F32, QT.F16, QT.BF16) and shape[-1] % 32:
             qtype = QT.F16
         if shapes_only:
@@ -331,14 +333,6 @@ def _write(gguf, QT, out: str, c: TinyConfig, shapes_only: bool = False) -> None
     w.close()
 
 
-def _sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @functools.lru_cache(maxsize=1)
 def writer_fingerprint() -> str:
     """WRITER_VERSION and the SHA-256 of this module's source (any edit makes new cache files)."""
@@ -371,7 +365,7 @@ def numpy_version() -> str:
     return np.__version__
 
 
-def cache_inputs(cfg: TinyConfig, quantizer_key: str | None = None) -> dict:
+def cache_inputs(cfg: TinyConfig, quantizer_key: str | None = None) -> dict[str, Any]:
     """Everything the cached model's key covers (JSON-ready)."""
     return {"config": dataclasses.asdict(cfg), "writer": writer_fingerprint(), "gguf": gguf_version(),
             "numpy": numpy_version(),
@@ -402,7 +396,7 @@ def verify(path: Path, key: str) -> bool:
             return False
         if not path.is_file() or path.stat().st_size != meta.get("bytes"):
             return False
-        return _sha256_file(path) == meta.get("sha256")
+        return sha256_file(path) == meta.get("sha256")
     except (OSError, ValueError):  # ValueError: bad JSON or text
         return False
 
@@ -422,18 +416,9 @@ def ensure(cfg: TinyConfig = TinyConfig(), quantize: Quantizer | None = None,
     def seal(tmp: str) -> None:
         """The sidecar of the finished temporary model; it lands before the model does, so a
         crash between the two renames leaves a mismatch (rewritten next time), never a pass."""
-        meta = {"key": key, "sha256": _sha256_file(tmp), "bytes": os.path.getsize(tmp),
+        meta = {"key": key, "sha256": sha256_file(tmp), "bytes": os.path.getsize(tmp),
                 "inputs": cache_inputs(cfg, quantizer_key)}
-        side_tmp = _temp(p.parent, ".json")
-        try:
-            with open(side_tmp, "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(side_tmp, side)
-        finally:
-            if os.path.exists(side_tmp):
-                os.unlink(side_tmp)
+        write_text_atomic(side, json.dumps(meta, indent=1, sort_keys=True))
 
     try:
         if p.is_dir():

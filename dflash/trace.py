@@ -22,6 +22,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def token_axis(ne: Sequence[int], width: int, strict: bool = True) -> int | None
 def rows(nodes: Iterable[Node], width: int, strict: bool = True) -> list[list[Row]]:
     """One list of rows per position of a decode of `width`, in graph order."""
     out: list[list[Row]] = [[] for _ in range(width)]
-    seen: Counter = Counter()
+    seen: Counter[str] = Counter()
     for name, op, ne, arr in nodes:
         seen[name] += 1
         key = name if seen[name] == 1 else f"{name}#{seen[name]}"
@@ -113,7 +114,7 @@ class NodeDiff:
     n_values: int
     n_differing: int     # values whose bits differ
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         d = self.max_abs_delta
         return {"position": self.position, "key": self.key, "name": self.name, "op": self.op,
                 "max_abs_delta": d if np.isfinite(d) else str(d), "n_values": self.n_values,

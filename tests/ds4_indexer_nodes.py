@@ -11,7 +11,7 @@ from dflash import engine, llama, settings
 
 
 def main(model: str, n: int) -> None:
-    eng = engine.open_engine(settings.resolve(bands=True), model, threads=2)
+    eng = engine.open_engine(settings.from_env(bands=True), model, threads=2)
     tokens = (eng.tokenize(engine.DEFAULT_PROMPT * 20))[:n]
     if len(tokens) < n:
         raise SystemExit(f"the prompt has {len(tokens)} tokens, fewer than {n}")

@@ -106,9 +106,9 @@ def stock(tmp_path_factory):
     return r, d
 
 
-def test_bench_exits_1_when_the_candidate_is_not_exact(stock):
+def test_bench_exits_4_when_the_candidate_is_not_exact(stock):
     r, d = stock
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 4, r.stderr
     out = json.loads(r.stdout)
     assert flavor(out["library"]) == "stock" and out["chunk"] == 4
     assert out["hashes_identical"] is False and out["logits_hashes_identical"] is False

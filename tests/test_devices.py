@@ -1,7 +1,7 @@
 """--device parsing (cpu, hip:N, cuda:N, two-GPU layer splits) and the missing-GPU exit code."""
 import pytest
 
-from dflash import devices, qualification
+from dflash import devices, proofs
 from dflash.errors import UsageError
 
 from .conftest import run_dflash
@@ -11,7 +11,7 @@ from .conftest import run_dflash
                                            ("cuda:0", "cuda", [0]), ("cuda:0,cuda:1", "cuda", [0, 1])])
 def test_device_specs(spec, kind, ids):
     assert devices.device_kind(spec) == kind and devices.parse_device(spec) == ids
-    assert qualification.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
+    assert proofs.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
 
 
 @pytest.mark.parametrize("spec", ["gpu:0", "hip:0,cuda:1", "cuda:x", "cuda:0,cuda:0", "hip:", "rpc:x",
@@ -39,8 +39,8 @@ def test_gpu_qualification_records_are_keyed_by_the_routing_flags(tiny_models):
     on = settings.resolve({}, bands=True)
     off = settings.resolve({"DFLASH_NARROW_MMVQ": "0"}, bands=True)
     wider = settings.resolve({"LUCE_MMVQ_MAX_NCOLS": "8"}, bands=True)
-    keys = {name: qualification.identity(s, model, "hip:0").key for name, s in
+    keys = {name: proofs.identity(s, model, "hip:0").key for name, s in
             (("on", on), ("off", off), ("wider", wider))}
     assert len(set(keys.values())) == 3
-    assert qualification.identity(on, model, "cpu").key == qualification.identity(off, model, "cpu").key
-    assert qualification.identity(on, model, "cuda:0").key != qualification.identity(on, model, "hip:0").key
+    assert proofs.identity(on, model, "cpu").key == proofs.identity(off, model, "cpu").key
+    assert proofs.identity(on, model, "cuda:0").key != proofs.identity(on, model, "hip:0").key

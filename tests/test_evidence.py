@@ -1,7 +1,6 @@
 """dflash.evidence and `dflash verify`: atomic writes, strict reading, any changed byte is caught."""
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -13,9 +12,10 @@ from click.testing import CliRunner
 
 from dflash import cli as cli_mod
 from dflash import evidence as ev
-from dflash import records
+from dflash import provenance
 from dflash.cli import cli
 from dflash.errors import DflashError
+from dflash.fileio import sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -30,7 +30,7 @@ def seal(root: Path, name="bench-1", requests=(SHA_A,) * 4, extra=None) -> tuple
         w.write_json("requests.json", requests_doc(list(requests)))
         w.write_text("notes.txt", "q1 reference A, candidate, q1 reference B\n")
         w.write_bytes("logs/run.log", bytes(range(256)) * 3)
-        w.write_json("machine.json", records.machine_facts())
+        w.write_json("machine.json", provenance.machine_facts())
         for rel, text in (extra or {}).items():
             w.write_text(rel, text)
         w.add_hash_check("requests.json", "requests", "response_sha256")
@@ -64,7 +64,7 @@ def test_round_trip(sealed):
     assert (m["schema"], m["schema_version"], m["kind"]) == ("dflash.evidence", 1, "bench")
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", m["created_utc"])
     assert set(m["files"]) == {"requests.json", "notes.txt", "logs/run.log", "machine.json"}
-    assert m["files"]["logs/run.log"] == {"sha256": ev.sha256_file(d / "logs/run.log"), "bytes": 768}
+    assert m["files"]["logs/run.log"] == {"sha256": sha256_file(d / "logs/run.log"), "bytes": 768}
     assert m["hash_checks"] == [{"file": "requests.json", "pointer": "requests",
                                  "field": "response_sha256", "expect": "identical"}]
     body = {k: v for k, v in m.items() if k != "self_sha256"}
@@ -293,32 +293,29 @@ def test_forged_but_consistent_manifest_still_fails_on_content(sealed):
 # --- helpers -------------------------------------------------------------------------------
 
 def test_helpers(tmp_path):
-    p = tmp_path / "big"
-    p.write_bytes(os.urandom(3 << 20))
-    assert ev.sha256_file(p) == hashlib.sha256(p.read_bytes()).hexdigest()
     assert re.fullmatch(r"bench-\d{8}-\d{6}-[0-9a-f]{4}", ev.default_dir(tmp_path, "bench").name)
     assert ev.default_dir(tmp_path, "bench").parent == tmp_path
     with pytest.raises(ValueError):
         ev.default_dir(tmp_path, "../x")
-    f = records.machine_facts()
+    f = provenance.machine_facts()
     assert set(f) == {"cpu_model", "logical_cores", "platform", "python"} and f["python"].count(".") == 2
     json.dumps(f)
 
 
 def test_git_revision(tmp_path):
-    assert records.git_revision(tmp_path / "missing") is None
-    assert records.git_revision(tmp_path) is None  # not a checkout (tmp_path is outside any repo)
+    assert provenance.git_revision(tmp_path / "missing") is None
+    assert provenance.git_revision(tmp_path) is None  # not a checkout (tmp_path is outside any repo)
     if not shutil.which("git"):
         pytest.skip("git is not installed")
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run([*git, "init", "-q"], check=True)
-    assert records.git_revision(tmp_path) is None  # no commit yet
+    assert provenance.git_revision(tmp_path) is None  # no commit yet
     (tmp_path / "f").write_text("1")
     subprocess.run([*git, "add", "f"], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
-    assert re.fullmatch(r"[0-9a-f]{40}", records.git_revision(tmp_path))
+    assert re.fullmatch(r"[0-9a-f]{40}", provenance.git_revision(tmp_path))
     (tmp_path / "f").write_text("2")
-    assert records.git_revision(tmp_path).endswith("-dirty")
+    assert provenance.git_revision(tmp_path).endswith("-dirty")
 
 
 # --- CLI -----------------------------------------------------------------------------------

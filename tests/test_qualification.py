@@ -6,20 +6,20 @@ import json
 
 import pytest
 
-from dflash import build, qualification, settings
+from dflash import build, proofs, settings
 from dflash.errors import UsageError
 
 from .conftest import run_dflash, run_json
 
-V = qualification.Verdict
+V = proofs.Verdict
 
 
 def ident(device="cpu"):
-    return qualification.Identity("exact", "build", "0123456789abcdef", "ab" * 32, device)
+    return proofs.Identity("exact", "build", "0123456789abcdef", "ab" * 32, device)
 
 
 def record(*verdicts, device="cpu"):
-    return qualification.Record(ident(device), "/models/m.gguf", "2025-01-02T03:04:05Z", tuple(verdicts))
+    return proofs.Record(ident(device), "/models/m.gguf", "2025-01-02T03:04:05Z", tuple(verdicts))
 
 
 ALL_EXACT = (V(1, True, 1, True, 1, "/ev"), V(4, True, 4, True, 4, "/ev"), V(8, True, 4, True, 8, "/ev"))
@@ -30,17 +30,17 @@ ALL_EXACT = (V(1, True, 1, True, 1, "/ev"), V(4, True, 4, True, 4, "/ev"), V(8, 
 
 def test_round_trip(tmp_path):
     r = record(*ALL_EXACT, device="hip:0,hip:1")
-    p = qualification.write(tmp_path / "q" / "r.json", r)
-    assert qualification.read(p) == r and qualification.parse(qualification.render(r)) == r
+    p = proofs.write(tmp_path / "q" / "r.json", r)
+    assert proofs.read(p) == r and proofs.parse(proofs.render(r)) == r
     d = json.loads(p.read_text())
     assert (d["schema"], d["schema_version"], d["key"]) == (
-        qualification.SCHEMA, qualification.SCHEMA_VERSION, r.identity.key)
+        proofs.SCHEMA, proofs.SCHEMA_VERSION, r.identity.key)
     assert [w["width"] for w in d["widths"]] == [1, 4, 8]
     assert not list((tmp_path / "q").glob(".*.tmp"))  # the temporary sibling is gone
 
 
 def edited(**changes):
-    d = qualification.to_json(record(*ALL_EXACT))
+    d = proofs.to_json(record(*ALL_EXACT))
     d.update(changes)
     return json.dumps(d).encode()
 
@@ -66,8 +66,8 @@ def edited(**changes):
     (b"{\"schema\": NaN}", "not valid JSON"),
 ])
 def test_strict_reader(raw, needle):
-    with pytest.raises(qualification.RecordError) as e:
-        qualification.parse(raw)
+    with pytest.raises(proofs.RecordError) as e:
+        proofs.parse(raw)
     assert needle in str(e.value)
 
 
@@ -75,45 +75,45 @@ def test_load_treats_a_corrupt_or_foreign_record_as_none(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     r = record(*ALL_EXACT)
     warnings = []
-    assert qualification.load(r.identity, warnings.append) is None and warnings == []  # no record: silent
-    path = qualification.record_path(r.identity)
+    assert proofs.load(r.identity, warnings.append) is None and warnings == []  # no record: silent
+    path = proofs.record_path(r.identity)
     assert path.parent == tmp_path / "dflash" / "qualifications"
-    assert qualification.save(r, warnings.append) == r and qualification.load(r.identity, warnings.append) == r
+    assert proofs.save(r, warnings.append) == r and proofs.load(r.identity, warnings.append) == r
     path.write_bytes(b"\x00garbage")
-    assert qualification.load(r.identity, warnings.append) is None
+    assert proofs.load(r.identity, warnings.append) is None
     assert len(warnings) == 1 and str(path) in warnings[0] and "\n" not in warnings[0]
-    qualification.write(path, record(*ALL_EXACT, device="hip:0"))  # valid, but about another device
-    assert qualification.load(r.identity, warnings.append) is None and "another" in warnings[-1]
+    proofs.write(path, record(*ALL_EXACT, device="hip:0"))  # valid, but about another device
+    assert proofs.load(r.identity, warnings.append) is None and "another" in warnings[-1]
 
 
 def test_save_merges_widths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    qualification.save(record(*ALL_EXACT), print)
+    proofs.save(record(*ALL_EXACT), print)
     again = record(V(1, True, 1, True, 1, "/ev2"), V(8, True, 4, False, 8, "/ev2"), V(64, True, 4, True, 64, "/ev2"))
-    stored = qualification.save(again, print)
+    stored = proofs.save(again, print)
     assert [(v.width, v.evidence_dir) for v in stored.widths] == [(1, "/ev2"), (4, "/ev"), (8, "/ev2"), (64, "/ev2")]
-    assert qualification.read(qualification.record_path(again.identity)) == stored
+    assert proofs.read(proofs.record_path(again.identity)) == stored
 
 
 # ---------------------------------------------------------------------------------------------
 # What a record proves
 
 def test_auto_takes_the_widest_proven_width_and_prefers_fixed():
-    assert qualification.widest_proven(ALL_EXACT) == (8, settings.FIXED)
+    assert proofs.widest_proven(ALL_EXACT) == (8, settings.FIXED)
     planner_only = (V(1, True, 1, True, 1), V(8, True, 4, False, 8))
-    assert qualification.widest_proven(planner_only) == (8, settings.PLANNER)
-    assert qualification.proven_mode(planner_only, 8) == settings.PLANNER
-    assert qualification.proven_mode(planner_only, 4) is None
+    assert proofs.widest_proven(planner_only) == (8, settings.PLANNER)
+    assert proofs.proven_mode(planner_only, 8) == settings.PLANNER
+    assert proofs.proven_mode(planner_only, 4) is None
 
 
 def test_auto_never_picks_an_inexact_width():
     vs = (V(1, True, 1, True, 1), V(4, True, 4, True, 4), V(8, False, 4, False, 8))
-    assert qualification.widest_proven(vs) == (4, settings.FIXED) and qualification.proven_mode(vs, 8) is None
+    assert proofs.widest_proven(vs) == (4, settings.FIXED) and proofs.proven_mode(vs, 8) is None
     # a wider exact width above an inexact one is not proven: its tails would decode that width
     vs = (V(1, True, 1, True, 1), V(6, False, 4, False, 6), V(8, True, 4, True, 8))
-    assert qualification.widest_proven(vs) == (1, settings.FIXED)
+    assert proofs.widest_proven(vs) == (1, settings.FIXED)
     stock = (V(1, True, 1, True, 1), V(2, False, 2, False, 2), V(4, False, 4, False, 4))
-    assert qualification.widest_proven(stock) == (1, settings.FIXED)  # q1
+    assert proofs.widest_proven(stock) == (1, settings.FIXED)  # q1
 
 
 def test_identity_key_depends_on_every_part():
@@ -127,13 +127,13 @@ def test_dir_key_hashes_the_library_files(tmp_path):
     (tmp_path / "libllama.so").write_bytes(b"llama")
     (tmp_path / "libggml-cpu.so").write_bytes(b"cpu")
     (tmp_path / "notes.txt").write_text("not a library")
-    k = qualification.dir_key(tmp_path)
+    k = proofs.dir_key(tmp_path)
     (tmp_path / "notes.txt").write_text("still not a library")
-    assert qualification.dir_key(tmp_path) == k and len(k) == 64
+    assert proofs.dir_key(tmp_path) == k and len(k) == 64
     (tmp_path / "libggml-cpu.so").write_bytes(b"cpu2")
-    assert qualification.dir_key(tmp_path) != k
+    assert proofs.dir_key(tmp_path) != k
     with pytest.raises(UsageError, match="no libllama.so"):
-        qualification.dir_key(tmp_path / "missing")
+        proofs.dir_key(tmp_path / "missing")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_wide_chunk_settings():
     assert (s.bands, s.cap, s.qualified) == (True, 4, None)
     s = settings.resolve({settings.ENV_BANDS: "1"}, bands=False, chunk="64")  # --no-bands: q1, no record needed
     assert (s.bands, s.cap, s.qualified) == (False, 1, None)
-    with pytest.raises(UsageError, match="--chunk 16"):
+    with pytest.raises(UsageError, match="^chunk 16"):
         settings.resolve({}, chunk=16, qualified=q)  # the record proves 8, not 16
     s = settings.resolve({settings.ENV_BANDS: "1"}, chunk=4, qualified=q)  # narrow: as today, no record
     assert (s.cap, s.fixed, s.qualified) == (4, False, None)
@@ -174,11 +174,11 @@ def test_wide_chunk_settings():
 
 def hand_record(monkeypatch, tmp_path, model, verdicts):
     """A record for `model` on the exact built library and the CPU, written into tmp_path's cache."""
-    i = qualification.Identity("exact", "build", build.build_key("exact"),
+    i = proofs.Identity("exact", "build", build.build_key("exact"),
                                hashlib.sha256(model.read_bytes()).hexdigest(), "cpu")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    record = qualification.Record(i, str(model), qualification.now_utc(), tuple(verdicts))
-    return qualification.write(qualification.record_path(i), record)
+    record = proofs.Record(i, str(model), proofs.now_utc(), tuple(verdicts))
+    return proofs.write(proofs.record_path(i), record)
 
 
 def test_auto_with_a_hand_written_record_picks_the_exact_width(tiny_models, tmp_path, monkeypatch):
@@ -240,11 +240,11 @@ def test_qualify_then_wide_prefill(tiny_models, tmp_path, cache_with_library):
     q = run_json("qualify", "--model", m, "--widths", "1,4,8", "--threads", 1, "--n-predict", 2,
                  "--evidence", ev, env=env)
     assert q["all_exact"] and q["recommended_chunk"] == 8 and q["recommended_band_mode"] == "fixed"
-    rec = qualification.read(q["qualification"]["path"])
+    rec = proofs.read(q["qualification"]["path"])
     assert [(v.width, v.planner_exact, v.fixed_exact, v.fixed_widest_band) for v in rec.widths] == \
         [(1, True, True, 1), (4, True, True, 4), (8, True, True, 8)]
     assert rec.identity.key == q["qualification"]["key"] and rec.widths[0].evidence_dir == str(ev)
-    assert qualification.read(ev / qualification.FILE_NAME) == rec
+    assert proofs.read(ev / proofs.FILE_NAME) == rec
     assert q["qualification"]["auto"] == {"width": 8, "mode": "fixed"}
     assert run_json("verify", ev)["ok"]
 

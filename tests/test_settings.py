@@ -47,12 +47,12 @@ def test_malformed_env_names_the_variable(env, name):
 
 @pytest.mark.parametrize("chunk", [0, 5, 9, -1])
 def test_chunk_range_in_band_mode(chunk):
-    with pytest.raises(UsageError, match="--chunk"):
+    with pytest.raises(UsageError, match="^chunk"):
         settings.resolve({}, bands=True, chunk=chunk)
 
 
 def test_unknown_lib():
-    with pytest.raises(UsageError, match="--lib"):
+    with pytest.raises(UsageError, match="^lib"):
         settings.resolve({}, lib="fast")
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from dflash import sweep
 from dflash.errors import UsageError
-from dflash.sweep_worker import repeat_to
+from dflash.sweep import repeat_to
 
 from .conftest import ROOT, run_dflash, run_json
 from .test_cli import assert_one_line_error
@@ -19,7 +19,7 @@ def test_parse_widths():
     assert sweep.parse_widths("1,4,64,512") == (1, 4, 64, 512)
     assert sweep.parse_widths(" 64, 4,4 ") == (1, 4, 64)  # sorted, distinct, q1 added
     for bad in ("", "1,x", "1,,4", "-4", "0,4", "1.5", "4;8"):
-        with pytest.raises(UsageError, match="--widths"):
+        with pytest.raises(UsageError, match="^widths"):
             sweep.parse_widths(bad)
 
 

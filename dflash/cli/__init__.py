@@ -1,6 +1,8 @@
-"""The `dflash` command group. Domain errors become one-line messages and exit codes here only.
+"""The `dflash` command group. Domain errors become one-line messages and exit codes here only;
+an error names the library's arguments, which are shown as this CLI's flags (chunk -> --chunk).
 
-Exit codes: 0 ok, 1 runtime error (or a failed check), 2 usage error, 3 no GPU device.
+Exit codes: 0 ok, 1 runtime error (a crash inside llama.cpp included), 2 usage error, 3 no GPU
+device, 4 an exactness check failed (results differ bit for bit), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -11,10 +13,14 @@ import click
 
 from ..errors import DflashError
 from ..settings import debug_flag
-from ..supervisor import Interrupted
+from ..stage import Interrupted
+
+EPILOG = ("Exit codes: 0 ok; 1 runtime error (a crash inside llama.cpp included); 2 bad input; 3 no GPU device; "
+          "4 an exactness check failed (--compare-q1, bench, sweep, matrix: results differ bit for bit); "
+          "130 interrupted.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.version_option(package_name="dflash")
 def cli(debug: bool) -> None:
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         debug = "--debug" in args or debug_flag()
     except DflashError as e:  # a malformed DFLASH_DEBUG is a usage error like any other flag
-        _fail("usage error", str(e), e.exit_code)
+        _fail("usage error", e.render(), e.exit_code)
     try:
         rv = cli.main(args=args, prog_name="dflash", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt, Interrupted):
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     except DflashError as e:
         if debug:
             traceback.print_exc()
-        _fail("usage error" if e.exit_code == 2 else "error", str(e), e.exit_code)
+        _fail("usage error" if e.exit_code == 2 else "error", e.render(), e.exit_code)
     except OSError as e:  # a read-only cache, a full disk, ...: name the file, not "internal error"
         if debug:
             traceback.print_exc()

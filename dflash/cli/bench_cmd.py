@@ -1,25 +1,22 @@
 """`dflash bench`: A/B/A benchmark of the band schedule against q1, written as evidence."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 from rich.table import Table
 
-from .. import bench, engine, evidence, records
-from ..errors import DflashError
+from ..errors import NotExactError
 from ..results import BenchResult
 from . import output
 from .options import (
     Command,
-    budgeted_settings,
     chunk_option,
-    connect_remote,
     device_option,
     lib_option,
     memory_budget_option,
     model_option,
+    open_session,
     prompt_options,
+    read_prompt,
     threads_option,
 )
 
@@ -40,35 +37,25 @@ from .options import (
 @click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to create [default: evidence/runs/bench-<time>-<id>].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model, weights, prompt, prompt_file, chunk, threads, lib, warmup, runs, interleave,
-            n_predict, logits_mode, device, rpc, allow_mixed_builds, no_repack, memory_budget, evidence_dir, as_json):
+def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, chunk: str | None,
+            threads: int | None, lib: str, warmup: int, runs: int, interleave: bool, n_predict: int, logits_mode: str,
+            device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool, memory_budget: str | None,
+            evidence_dir: str | None, as_json: bool) -> None:
     """A/B/A: q1, the band schedule, q1 again; medians, MAD, gain, drift, hash equality.
 
-    Exits 1 (after writing the evidence) when any request's response or logits hash differs."""
-    # the candidate arm is a band schedule whatever the env says
-    remote = connect_remote(device, rpc, allow_mixed_builds)
-    text = engine.read_prompt(prompt, prompt_file)
-    s, budget_json = budgeted_settings(memory_budget, text, True, chunk, lib, model=model, weights=weights,
-                                       device=device, remote=remote, repack=not no_repack, threads=threads,
-                                       n_predict=n_predict, ctx=None)
-    dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("bench")
-    for w in s.warnings():
-        output.warn(w)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
-                             repack=not no_repack, log=output.note)
-    tokens = eng.tokenize(text)
-    with evidence.EvidenceWriter(dest, "bench") as writer:  # a bad --evidence fails before the runs
+    Exits 4 (after writing the evidence) when any request's response or logits hash differs."""
+    text = read_prompt(prompt, prompt_file)
+    with open_session(model=model, weights=weights, lib=lib, device=device, rpc=rpc,
+                      allow_mixed_builds=allow_mixed_builds, no_repack=no_repack, threads=threads, chunk=chunk,
+                      bands=True, memory_budget=memory_budget, budget_prompt=text,
+                      budget_n_predict=n_predict) as session:  # the candidate arm is a band schedule
         with output.progress_bar("bench") as progress:
-            result = bench.bench(eng, text, tokens, writer, warmup=warmup, runs=runs, interleave=interleave,
-                                 n_predict=n_predict, logits=logits_mode, device=device, progress=progress,
-                                 memory_budget=budget_json)
-    if as_json:
-        output.emit_json(result.to_json())
-    else:
-        show(result)
+            result = session.bench(text, warmup=warmup, runs=runs, interleave=interleave, n_predict=n_predict,
+                                   logits=logits_mode, evidence_dir=evidence_dir, progress=progress)
+    output.emit(result, as_json, show)
     if not result.summary.hashes_identical:
-        raise DflashError(f"hashes differ between requests: the candidate is not exact "
-                          f"(evidence {result.evidence_dir})")
+        raise NotExactError(f"hashes differ between requests: the candidate is not exact "
+                            f"(evidence {result.evidence_dir})")
 
 
 def show(r: BenchResult) -> None:

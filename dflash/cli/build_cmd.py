@@ -21,7 +21,7 @@ from .options import Command
                    "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "
                    "library (JSON key 'library'). Proves it builds; it runs only with ROCm's real libraries.")
 @click.option("--json", "as_json", is_flag=True)
-def command(libs, gpu, compile_only, as_json):
+def command(libs: tuple[str, ...], gpu: str, compile_only: bool, as_json: bool) -> None:
     """Build the exact and stock llama.cpp libraries (cached, keyed by their inputs)."""
     if compile_only:
         if gpu != "hip" or libs:

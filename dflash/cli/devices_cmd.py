@@ -16,7 +16,7 @@ from .options import Command
 
 @click.command("devices", cls=Command)
 @click.option("--json", "as_json", is_flag=True)
-def devices_command(as_json):
+def devices_command(as_json: bool) -> None:
     """List the CPU and every HIP device (name, gfx arch, memory, compute units)."""
     hip, reason = devices.hip_devices()
     devs = [devices.cpu(), *hip]
@@ -34,7 +34,7 @@ def devices_command(as_json):
 
 
 @click.group("kernels")
-def kernels_group():
+def kernels_group() -> None:
     """The narrow-MMVQ HIP kernels."""
 
 
@@ -43,7 +43,7 @@ def kernels_group():
 @click.option("--build-dir", default=str(kernel_selftest.DEFAULT_BUILD), show_default=True,
               help="Where cmake put the code objects and dflash_mmvq_host.")
 @click.option("--json", "as_json", is_flag=True)
-def selftest_command(device, build_dir, as_json):
+def selftest_command(device: str, build_dir: str, as_json: bool) -> None:
     """Run every dense kernel (4 types x ncols 1..4) on the GPU and compare with the host body bit
     for bit. (The routed-expert `_id` kernels are not in the self-test yet.)
 

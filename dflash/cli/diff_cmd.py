@@ -9,18 +9,18 @@ from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import bands, diff, engine, settings
+from .. import bands, diff, settings
 from ..errors import UsageError
 from ..results import DiffResult
 from . import output
 from .options import (
     Command,
-    connect_remote,
     device_option,
     lib_option,
     model_option,
+    open_session,
     prompt_options,
-    settings_from,
+    read_prompt,
     threads_option,
 )
 
@@ -41,8 +41,9 @@ from .options import (
               help="Do not compare nodes whose name matches this regular expression (re.search).")
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threads, lib, show, ignore,
-            device, rpc, allow_mixed_builds, no_repack, as_json):
+def command(model: str | None, weights: str, spec_a: str, spec_b: str, prompt: str | None, prompt_file: str | None,
+            n_tokens: int, threads: int | None, lib: str, show: int, ignore: str | None, device: str, rpc: str | None,
+            allow_mixed_builds: bool, no_repack: bool, as_json: bool) -> None:
     """Run two prefill schedules with a tap on every F32/I32 graph node and name the first node
     (name, op, position, max |delta|) whose output differs, walking positions in order and nodes
     in graph order. Comparison is bit for bit; max |delta| is a diagnostic.
@@ -61,18 +62,14 @@ def command(model, weights, spec_a, spec_b, prompt, prompt_file, n_tokens, threa
             re.compile(ignore)
         except re.error as e:
             raise UsageError(f"--ignore {ignore!r} is not a regular expression: {e}") from None
-    text = engine.read_prompt(prompt, prompt_file)
-    remote = connect_remote(device, rpc, allow_mixed_builds)
-    s = settings_from(True, settings.MAX_BAND, lib)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
-                             repack=not no_repack, log=output.note)
-    tokens = eng.tokenize(text)[:n_tokens]
-    with output.progress_bar("trace", enabled=not as_json) as bar:
-        result = diff.run(eng, tokens, spec_a, spec_b, ignore=ignore, show=show, progress=bar)
-    if as_json:
-        output.emit_json(result.to_json())
-    else:
-        _print_human(result)
+    text = read_prompt(prompt, prompt_file)
+    with open_session(model=model, weights=weights, lib=lib, device=device, rpc=rpc,
+                      allow_mixed_builds=allow_mixed_builds, no_repack=no_repack, threads=threads,
+                      chunk=settings.MAX_BAND, bands=True) as session:
+        tokens = session.tokenize(text)[:n_tokens]
+        with output.progress_bar("trace", enabled=not as_json) as bar:
+            result = diff.run(session.engine, tokens, spec_a, spec_b, ignore=ignore, show=show, progress=bar)
+    output.emit(result, as_json, _print_human)
 
 
 def _print_human(r: DiffResult) -> None:
@@ -109,5 +106,5 @@ def _print_human(r: DiffResult) -> None:
                 "(masked cache cells or state rows not indexed by position; see --help)")
 
 
-def _num(x) -> str:
+def _num(x: object) -> str:
     return f"{x:.3e}" if isinstance(x, float) else str(x)

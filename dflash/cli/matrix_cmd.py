@@ -5,12 +5,12 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from .. import engine, gguf_meta, matrix
+from .. import choice, gguf_meta, matrix, settings
 from .. import rpc as rpc_mod
-from ..errors import DflashError
+from ..errors import NotExactError
 from ..results import MatrixResult
 from . import output
-from .options import Command, chunk_option, run_settings
+from .options import Command, chunk_option, read_prompt
 
 
 @click.command("matrix", cls=Command)
@@ -23,28 +23,27 @@ from .options import Command, chunk_option, run_settings
                    "device split, and two remote devices split.")
 @click.option("--allow-mixed-builds", is_flag=True, help="Use RPC servers running another library build.")
 @click.option("--json", "as_json", is_flag=True)
-def command(model, prompt_file, chunk, n_predict, rpc, allow_mixed_builds, as_json):
+def command(model: str | None, prompt_file: str | None, chunk: str | None, n_predict: int, rpc: str | None,
+            allow_mixed_builds: bool, as_json: bool) -> None:
     """Compare q1 and band fingerprints across CPU threads, exact/stock builds, GPUs and RPC servers.
 
     Rows on plain CPU buffers (RPC rows, and their local reference `cpu t1 exact no-repack`) are
-    compared with that reference; the others with `cpu t1 exact`. Exits 1 when any exact-library
+    compared with that reference; the others with `cpu t1 exact`. Exits 4 when any exact-library
     configuration differs from its reference."""
     remote = rpc_mod.connect(rpc, [0], allow_mixed_builds) if rpc else None  # one line if a server is down
     # a bad --chunk or env flag, or no record for --chunk N > 4 on the exact CPU library, fails
     # here, not in every row (each row looks up its own library's and device's record)
     if model:
         gguf_meta.read(model)  # a bad model is one error here, not a failure in every row
-    text = engine.read_prompt(None, prompt_file) if prompt_file else None  # read once (standard input too)
-    s = run_settings(True, chunk, model=model)
+    text = read_prompt(None, prompt_file) if prompt_file else None  # read once (standard input too)
+    flags = settings.Settings.from_env()
+    s = choice.choose(flags.env, bands=True, chunk=chunk, model=model, warn=output.warn, note=output.note)
     with output.progress_bar("matrix") as progress:
         result = matrix.run(n_predict, s.chunk_requested, model=model, prompt=text, progress=progress,
-                            remote=remote)
-    if as_json:
-        output.emit_json(result.to_json())
-    else:
-        show(result)
+                            remote=remote, settings=flags)
+    output.emit(result, as_json, show)
     if not result.exact_all_equal:
-        raise DflashError("an exact-library configuration differs from the reference")
+        raise NotExactError("an exact-library configuration differs from the reference")
 
 
 def show(r: MatrixResult) -> None:

@@ -4,18 +4,17 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from .. import engine, memory
-from ..results import Library, MemoryResult
+from .. import memory
+from ..results import MemoryResult
 from . import output
 from .options import (
     Command,
-    connect_remote,
     ctx_option,
     device_option,
     lib_option,
     model_option,
+    open_session,
     parse_widths,
-    settings_from,
     threads_option,
 )
 
@@ -30,7 +29,8 @@ from .options import (
 @click.option("--measured", is_flag=True,
               help="Allocate for real (read the weights, create each context) instead of the no_alloc estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model, weights, ctx, widths, threads, lib, device, rpc, allow_mixed_builds, no_repack, measured, as_json):
+def command(model: str | None, weights: str, ctx: int | None, widths: str, threads: int | None, lib: str, device: str,
+            rpc: str | None, allow_mixed_builds: bool, no_repack: bool, measured: bool, as_json: bool) -> None:
     """Bytes llama.cpp allocates for a context of --ctx tokens at each band width: weights, the KV
     cache (DeepSeek-V4: the raw sliding-window cache, the compressed caches, the indexer key cache,
     the compressor states) and the compute buffer reserved for that width, summed over devices.
@@ -42,21 +42,12 @@ def command(model, weights, ctx, widths, threads, lib, device, rpc, allow_mixed_
     if ctx is None:
         raise click.UsageError("--ctx is required (the context size to size)")
     ws = parse_widths(widths)
-    remote = connect_remote(device, rpc, allow_mixed_builds)
-    s = settings_from(None, None, lib)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
-                             repack=not no_repack, no_alloc=not measured, mmap=False, log=output.note)
-    with eng:
-        n_ctx = eng.context_size(0, 0, ctx)  # checked against the model's context length
+    with open_session(model=model, weights=weights, lib=lib, device=device, rpc=rpc,
+                      allow_mixed_builds=allow_mixed_builds, no_repack=no_repack, threads=threads,
+                      no_alloc=not measured, mmap=False) as session:
         with output.progress_bar("memory", enabled=not as_json and len(ws) > 1) as bar:
-            rows = memory.estimate(eng, n_ctx, ws, bar)
-        result = MemoryResult(str(eng.info.path), eng.info.architecture, n_ctx, measured,
-                              Library(s.lib, str(eng.lib_dir)), eng.device,
-                              memory.indexer_rows(eng.info.compress_ratios, n_ctx), tuple(rows))
-    if as_json:
-        output.emit_json(result.to_json())
-    else:
-        show(result)
+            result = session.memory(ws, ctx=ctx, progress=bar)
+    output.emit(result, as_json, show)
 
 
 def show(r: MemoryResult) -> None:

@@ -1,12 +1,20 @@
-"""Options shared by several commands, and the one place they become Settings."""
+"""Options shared by several commands, the prompt they read, and the one place flags become a
+Session (the environment's flags are read here, with Settings.from_env)."""
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
-from .. import devices, engine, memory, qualification, settings, tiny_model
-from .. import rpc as rpc_mod
-from ..errors import UsageError
+from .. import engine, gguf_meta, settings, tiny_model
+from ..errors import UsageError, arg
+from ..session import Session
 from . import output
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Command(click.Command):
@@ -26,37 +34,37 @@ class Command(click.Command):
 MAX_THREADS, MAX_CTX = engine.MAX_THREADS, engine.MAX_CTX
 
 
-def model_option(f):
+def model_option(f: F) -> F:
     f = click.option("--weights", type=click.Choice(tiny_model.WEIGHTS), default=tiny_model.DEFAULT_WEIGHTS,
                      show_default=True, help="Weight types of the built-in tiny model (when no --model).")(f)
     return click.option("--model", "model", type=str, default=None,
                         help="GGUF model file (default: the built-in tiny DeepSeek-V4 model).")(f)
 
 
-def prompt_options(f):
+def prompt_options(f: F) -> F:
     f = click.option("--prompt-file", default=None,
                      help="Read the prompt from a UTF-8 file (- reads standard input).")(f)
     return click.option("--prompt", default=None,
                         help="Prompt text [default: a built-in prompt, 373 tokens on the tiny model].")(f)
 
 
-def threads_option(f):
+def threads_option(f: F) -> F:
     return click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
                         help=f"CPU threads, 1..{MAX_THREADS} [default: min(cores, 8)].")(f)
 
 
-def ctx_option(f):
+def ctx_option(f: F) -> F:
     return click.option("--ctx", type=click.IntRange(1, MAX_CTX), default=None,
                         help="Context size, at most the model's context length "
                              "[default: prompt + n-predict].")(f)
 
 
-def lib_option(f):
+def lib_option(f: F) -> F:
     return click.option("--lib", type=click.Choice(settings.LIBS), default="exact", show_default=True,
                         help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")(f)
 
 
-def device_option(f):
+def device_option(f: F) -> F:
     """--device, and the RPC servers its rpc:N devices live on (--rpc, --allow-mixed-builds)."""
     f = click.option("--no-repack", is_flag=True,
                      help="Keep weights in plain CPU buffers (no AMX or repacked copies), as llama.cpp's "
@@ -73,22 +81,17 @@ def device_option(f):
                              "(hip:0,hip:1; cpu,rpc:0: the CPU takes the first layers; rpc:0,rpc:1).")(f)
 
 
-def connect_remote(device: str, rpc: str | None, allow_mixed_builds: bool) -> rpc_mod.Remote | None:
-    """Parse --device and handshake with every --rpc server before anything is built or loaded."""
-    return rpc_mod.connect(rpc, devices.parse_spec(device).rpc_ids, allow_mixed_builds)
-
-
 CHUNK_HELP = (f"Widest band: 1..{settings.MAX_BAND}, or up to {settings.MAX_CHUNK} or {settings.AUTO} "
               "(the widest width proven) "
               f"with a `dflash qualify` record for this library, model and device; those imply --bands")
 
 
-def chunk_option(f):
+def chunk_option(f: F) -> F:
     return click.option("--chunk", default=None, metavar="N|auto",
                         help=f"{CHUNK_HELP} [default: {settings.MAX_BAND}].")(f)
 
 
-def run_options(f):
+def run_options(f: F) -> F:
     """--chunk, --bands/--no-bands, --threads, --lib: how prefill runs."""
     f = lib_option(threads_option(f))
     f = click.option("--bands/--no-bands", default=None,
@@ -96,39 +99,37 @@ def run_options(f):
     return chunk_option(f)
 
 
-def settings_from(bands, chunk, lib="exact") -> settings.Settings:
-    return settings.resolve(bands=bands, chunk=chunk, lib=lib)
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """--prompt, or --prompt-file (- reads standard input), or the built-in prompt."""
+    if prompt is not None and prompt_file is not None:
+        raise UsageError(f"give {arg('prompt')} or {arg('prompt_file')}, not both")
+    if prompt_file == "-":
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError("the prompt on standard input is not valid UTF-8") from None
+        except OSError as e:
+            raise UsageError(f"cannot read the prompt from standard input: {e.strerror}") from None
+    elif prompt_file is not None:
+        p = Path(prompt_file)
+        problem = gguf_meta.path_problem(p)
+        if problem:
+            raise UsageError(f"prompt file {problem}: {prompt_file}")
+        try:
+            prompt = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e}") from None
+    return engine.check_prompt(prompt)
 
 
-def run_settings(bands, chunk, lib="exact", *, model=None, weights=tiny_model.DEFAULT_WEIGHTS,
-                 device="cpu", remote: rpc_mod.Remote | None = None, repack: bool = True,
-                 budget: memory.Budget | None = None) -> settings.Settings:
-    """Settings for a run. --chunk auto or N > 4 with bands not turned off first looks up what the
-    qualification record of this library, model and device proves (see dflash/qualification.py).
-    With a --memory-budget, auto takes the widest proven width that fits it (without a record: 4,
-    or the widest narrower one that fits), and a width that does not fit is a usage error."""
-    s = _run_settings(bands, chunk, lib, model=model, weights=weights, device=device, remote=remote,
-                      repack=repack, budget=budget)
-    if budget is None:
-        return s
-    if s.chunk_requested == settings.AUTO and s.qualified is None and s.bands:
-        fitting = [w for w in range(s.chunk, 0, -1) if budget.fits(w)]  # 4, 3, 2, 1: no record needed
-        if fitting and fitting[0] != s.chunk:
-            output.note(f"--chunk auto: width {s.chunk} does not fit --memory-budget, running {fitting[0]}")
-            s = settings.resolve(bands=True, chunk=fitting[0], lib=lib)
-    budget.require(s.cap)
-    return s
-
-
-def _run_settings(bands, chunk, lib, *, model, weights, device, remote, repack, budget) -> settings.Settings:
-    req = settings.parse_chunk(chunk)
-    if req is None or not settings.needs_record(req) or bands is False:
-        return settings.resolve(bands=bands, chunk=req, lib=lib)
-    base = settings.resolve(bands=bands, lib=lib)  # environment and --lib checked before any hashing
-    q = qualification.lookup(base, req, model, weights, device, warn=output.warn, note=output.note, remote=remote,
-                             repack=engine.repack_for(devices.parse_spec(device), repack),
-                             fits=budget.fits if budget is not None else None)
-    return settings.resolve(bands=bands, chunk=req, lib=lib, qualified=q)
+def open_session(*, model: str | None, weights: str = tiny_model.DEFAULT_WEIGHTS, lib: str = "exact",
+                 device: str = "cpu", rpc: str | None = None, allow_mixed_builds: bool = False,
+                 no_repack: bool = False, **options: Any) -> Session:
+    """The Session a command runs on: the environment's flags, libraries built on first use (with
+    progress notes), warnings and notes on stderr."""
+    return Session(model, weights=weights, lib=lib, device=device, rpc=rpc, allow_mixed_builds=allow_mixed_builds,
+                   repack=not no_repack, settings=settings.Settings.from_env(lib=lib), build=True, log=output.note,
+                   warn=output.warn, **options)
 
 
 def parse_widths(text: str) -> list[int]:
@@ -142,39 +143,7 @@ def parse_widths(text: str) -> list[int]:
     return ws
 
 
-def memory_budget_option(f):
+def memory_budget_option(f: F) -> F:
     return click.option("--memory-budget", default=None, metavar="SIZE",
                         help="Bytes the run may allocate (weights, caches, compute; e.g. 96GiB): --chunk auto "
                              "takes the widest proven width that fits, a width that does not fit exits 2.")(f)
-
-
-def open_budget(memory_budget: str | None, text: str, *, bands, chunk, model, weights, device, remote, repack, lib,
-                threads, n_predict: int, ctx: int | None) -> memory.Budget | None:
-    """--memory-budget: the request's context sized by llama.cpp's no_alloc estimate (the model's
-    metadata only, before its weights load) for the widths a run may pick. None without a budget.
-    The estimate loads the library the run then uses, with the same flags exported (a library
-    reads them once): bands on exactly when the run's will be."""
-    if memory_budget is None:
-        return None
-    limit = memory.parse_size(memory_budget)
-    on = True if bands is None and settings.needs_record(settings.parse_chunk(chunk)) else bands
-    est = engine.open_engine(settings.resolve(bands=on, lib=lib), model, threads=threads, weights=weights,
-                             device=device, remote=remote, repack=repack, no_alloc=True, mmap=False, log=output.note)
-    n_ctx = est.context_size(len(est.tokenize(text)), n_predict, ctx)
-    return memory.Budget(est, n_ctx, limit)
-
-
-def budgeted_settings(memory_budget: str | None, text: str, bands, chunk, lib, *, model, weights, device, remote,
-                      repack: bool, threads, n_predict: int, ctx: int | None) -> tuple[settings.Settings, dict | None]:
-    """run_settings under --memory-budget (when given), and the budget's record for --json and
-    evidence (None without one). The estimate's model is freed before the run loads its own."""
-    budget = open_budget(memory_budget, text, bands=bands, chunk=chunk, model=model, weights=weights, device=device,
-                         remote=remote, repack=repack, lib=lib, threads=threads, n_predict=n_predict, ctx=ctx)
-    try:
-        s = run_settings(bands, chunk, lib, model=model, weights=weights, device=device, remote=remote, repack=repack,
-                         budget=budget)
-        return s, budget.to_json(s.cap) if budget is not None else None
-    finally:
-        if budget is not None:
-            budget.close()
-

@@ -5,8 +5,8 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 import click
 from rich.console import Console
@@ -29,7 +29,7 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def describe_devices(devs) -> str:
+def describe_devices(devs: Iterable[Mapping[str, Any]]) -> str:
     """The devices of a run for people: 'cpu, rpc:0 = 127.0.0.1:50052 (exact-81ad…, serving cpu)'."""
     parts = []
     for d in devs:
@@ -45,6 +45,21 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(_finite(obj), indent=2, allow_nan=False))
 
 
+class HasJson(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+R = TypeVar("R", bound=HasJson)
+
+
+def emit(result: R, as_json: bool, show: Callable[[R], None]) -> None:
+    """A command's typed result: its one JSON form for --json, else `show` for people."""
+    if as_json:
+        emit_json(result.to_json())
+    else:
+        show(result)
+
+
 def note(msg: str) -> None:
     err.print(f"[dim]{escape(msg)}[/dim]", highlight=False)
 
@@ -54,7 +69,7 @@ def warn(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, enabled: bool = True) -> Iterator:
+def progress_bar(label: str, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
     """Yields progress(done, total); draws a bar on stderr when it is a terminal."""
     if not enabled or not sys.stderr.isatty():
         yield lambda done, total: None

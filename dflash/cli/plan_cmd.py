@@ -4,11 +4,12 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from .. import gguf_meta, settings
+from .. import choice, devices, gguf_meta, settings
+from .. import rpc as rpc_mod
 from ..bands import FULL, Q1, Band, fixed_bands, plan, positive_ratios, widths
 from ..errors import UsageError
 from . import output
-from .options import Command, chunk_option, connect_remote, device_option, lib_option, run_settings
+from .options import Command, chunk_option, device_option, lib_option
 
 DS4_RATIOS = "4,128"
 
@@ -42,7 +43,8 @@ def band_dict(b: Band) -> dict:
 @lib_option
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(n_tokens, start, ratios, model, chunk, bands, lib, device, rpc, allow_mixed_builds, no_repack, as_json):
+def command(n_tokens: int, start: int, ratios: str | None, model: str | None, chunk: str | None, bands: bool | None,
+            lib: str, device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool, as_json: bool) -> None:
     """Show the prefill bands for N tokens from a position.
 
     --chunk auto or N > 4 needs --model: the qualification record of that model, --lib and
@@ -52,8 +54,9 @@ def command(n_tokens, start, ratios, model, chunk, bands, lib, device, rpc, allo
     if model is None and bands is not False and settings.needs_record(settings.parse_chunk(chunk)):
         raise UsageError(f"--chunk {chunk} needs --model (with --lib and --device): the qualification "
                          f"record that proves a width is per library, model and device")
-    remote = connect_remote(device, rpc, allow_mixed_builds)  # records of RPC runs name the servers' builds
-    s = run_settings(bands, chunk, lib, model=model, device=device, remote=remote, repack=not no_repack)
+    remote = rpc_mod.connect(rpc, devices.parse_spec(device).rpc_ids, allow_mixed_builds)  # records name their builds
+    s = choice.choose(settings.Settings.from_env(lib=lib).env, bands=bands, chunk=chunk, lib=lib, model=model,
+                      device=device, remote=remote, repack=not no_repack, warn=output.warn, note=output.note)
     rs = gguf_meta.read(model).compress_ratios if model else parse_ratios(ratios or DS4_RATIOS)
     if s.fixed:  # the record proved bands of this width across compressor boundaries
         chosen = fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)

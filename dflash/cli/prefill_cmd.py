@@ -1,25 +1,21 @@
 """`dflash prefill`: one request through the band schedule, with fingerprints and timings."""
 from __future__ import annotations
 
-import dataclasses
-
 import click
 
-from .. import engine, prefill
 from ..bands import summarize_widths
-from ..errors import DflashError, UsageError
 from ..results import PrefillResult
-from ..settings import ENV_BANDS
+from ..session import Session
 from . import output
 from .options import (
     Command,
-    budgeted_settings,
-    connect_remote,
     ctx_option,
     device_option,
     memory_budget_option,
     model_option,
+    open_session,
     prompt_options,
+    read_prompt,
     run_options,
 )
 
@@ -38,45 +34,36 @@ from .options import (
 @device_option
 @memory_budget_option
 @click.option("--compare-q1", is_flag=True,
-              help="Also run the q1 schedule and require identical logits and response hashes (exit 1 if not).")
+              help="Also run the q1 schedule and require identical logits and response hashes (exit 4 if not).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model, weights, prompt, prompt_file, chunk, bands, threads, lib, n_predict, ctx,
-            resume_at, logits_mode, device, rpc, allow_mixed_builds, no_repack, memory_budget, compare_q1, as_json):
-    """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints."""
-    remote = connect_remote(device, rpc, allow_mixed_builds)
-    text = engine.read_prompt(prompt, prompt_file)
-    s, budget_json = budgeted_settings(memory_budget, text, bands, chunk, lib, model=model, weights=weights,
-                                       device=device, remote=remote, repack=not no_repack, threads=threads,
-                                       n_predict=n_predict, ctx=ctx)
-    if compare_q1 and not s.bands:
-        raise UsageError(f"--compare-q1 compares a band schedule with q1, but bands are off "
-                         f"(set {ENV_BANDS}=1 or pass --bands)")
-    for w in s.warnings():
-        output.warn(w)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
-                             repack=not no_repack, log=output.note)
-    for w in eng.narrow_warnings():
-        output.warn(w)
-    tokens = eng.tokenize(text)
-    with output.progress_bar("prefill", enabled=len(tokens) >= 256) as progress:
-        result = prefill.run_request(eng, tokens, n_predict=n_predict, resume_at=resume_at, logits=logits_mode, ctx=ctx,
-                                     compare=compare_q1, progress=progress)
-    result = dataclasses.replace(result, memory_budget=budget_json)
-    if as_json:
-        output.emit_json(result.to_json())
-    else:
-        _print_human(eng, result)
-    if result.comparison is not None and not result.comparison.identical:
-        raise DflashError("the band schedule's hashes differ from q1: this build/schedule is not exact")
+def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, chunk: str | None,
+            bands: bool | None, threads: int | None, lib: str, n_predict: int, ctx: int | None, resume_at: int,
+            logits_mode: str, device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool,
+            memory_budget: str | None, compare_q1: bool, as_json: bool) -> None:
+    """Prefill a prompt in exact bands and print widths, speed and SHA-256 fingerprints.
+
+    Exit codes: 0 ok; 4 when --compare-q1 finds the band schedule's hashes differ from q1's;
+    1 runtime error; 2 bad input; 3 no GPU; 130 interrupted."""
+    text = read_prompt(prompt, prompt_file)
+    with open_session(model=model, weights=weights, lib=lib, device=device, rpc=rpc,
+                      allow_mixed_builds=allow_mixed_builds, no_repack=no_repack, threads=threads, ctx=ctx,
+                      chunk=chunk, bands=bands, memory_budget=memory_budget, budget_prompt=text,
+                      budget_n_predict=n_predict) as session:
+        tokens = session.tokenize(text)
+        with output.progress_bar("prefill", enabled=len(tokens) >= 256) as progress:
+            result = session.prefill(tokens, n_predict=n_predict, resume_at=resume_at, logits=logits_mode,
+                                     compare_q1=compare_q1, progress=progress)
+        output.emit(result, as_json, lambda r: _print_human(session, r))
+    result.check_exact()
 
 
-def _print_human(eng: engine.Engine, r: PrefillResult) -> None:
-    s = eng.settings
+def _print_human(session: Session, r: PrefillResult) -> None:
+    s = session.settings
     o = output.out
     o.print(f"model     {r.model} ({r.architecture}), library {r.library.flavor}", highlight=False, markup=False)
     o.print(f"bands     {'on, cap ' + str(s.cap) if s.bands else 'off (q1)'}; widths {summarize_widths(r.widths)}",
             highlight=False, markup=False)
-    if eng.remote is not None:
+    if session.remote is not None:
         o.print(f"devices   {output.describe_devices(r.devices)}", highlight=False, markup=False)
     if r.qualification:
         q = r.qualification

@@ -1,7 +1,6 @@
 """`dflash qualify`: which band widths are bit-identical to q1 on this model and build."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import cast
 
 import click
@@ -9,19 +8,18 @@ from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import engine, qualify, records, settings
-from ..evidence import EvidenceWriter
+from .. import qualify, settings
 from ..results import QualifyResult, RunCheck
 from . import output
 from .options import (
     Command,
-    connect_remote,
     device_option,
     lib_option,
     model_option,
+    open_session,
     parse_widths,
     prompt_options,
-    settings_from,
+    read_prompt,
     threads_option,
 )
 
@@ -42,8 +40,9 @@ from .options import (
               help="Evidence directory to write [default: evidence/runs/qualify-<UTC time>-<hex>].")
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib, n_predict,
-            evidence_dir, device, rpc, allow_mixed_builds, no_repack, as_json):
+def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, widths: str,
+            resume_at: int | None, threads: int | None, lib: str, n_predict: int, evidence_dir: str | None,
+            device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool, as_json: bool) -> None:
     """Run q1 once and the band planner at every cap in --widths over a prompt that crosses the
     compressor boundaries and the sliding window, with a resumed (unaligned) start and a tail; report
     per width whether the logits of every position are bit-identical to q1's (and the first
@@ -66,29 +65,17 @@ def command(model, weights, prompt, prompt_file, widths, resume_at, threads, lib
     exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries
     or to decode the widest width, or too long for the model's context."""
     ws = parse_widths(widths)
-    text = engine.read_prompt(prompt, prompt_file)
-    remote = connect_remote(device, rpc, allow_mixed_builds)
-    s = settings_from(True, settings.MAX_BAND, lib)
-    eng = engine.open_engine(s, model, threads=threads, weights=weights, device=device, remote=remote,
-                             repack=not no_repack, log=output.note)
-    for w in eng.narrow_warnings():
-        output.warn(w)
-    if prompt is None and prompt_file is None:
-        text, tokens = qualify.long_prompt(engine.DEFAULT_PROMPT, eng.tokenize, max(ws))
-    else:
-        tokens = eng.tokenize(text)
-    target = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("qualify")
-    with EvidenceWriter(target, "qualify") as writer:  # a bad --evidence fails before the runs
+    text = None if prompt is None and prompt_file is None else read_prompt(prompt, prompt_file)
+    with open_session(model=model, weights=weights, lib=lib, device=device, rpc=rpc,
+                      allow_mixed_builds=allow_mixed_builds, no_repack=no_repack, threads=threads,
+                      chunk=settings.MAX_BAND, bands=True) as session:
         with output.progress_bar("qualify", enabled=not as_json) as bar:
-            result = qualify.qualify_and_record(eng, text, tokens, writer, ws, resume_at, n_predict, device, bar,
-                                                output.warn)
-    if as_json:
-        output.emit_json(result.to_json())
-    else:
-        _print_human(result)
+            result = session.qualify(ws, prompt=text, resume_at=resume_at, n_predict=n_predict,
+                                     evidence_dir=evidence_dir, progress=bar)
+    output.emit(result, as_json, _print_human)
 
 
-def _yes(ok, good="yes", bad="NO") -> str:
+def _yes(ok: bool | None, good: str = "yes", bad: str = "NO") -> str:
     if ok is None:
         return "[dim]n/a[/dim]"
     return f"[green]{good}[/green]" if ok else f"[red]{bad}[/red]"

@@ -11,7 +11,7 @@ import time
 
 import click
 
-from .. import devices, engine, llama, qualification, rpc, settings, supervisor
+from .. import devices, engine, llama, proofs, rpc, settings, stage
 from ..errors import DflashError, UsageError
 from ..results import Library, RpcServerResult
 from . import output
@@ -41,7 +41,8 @@ def _port_free(host: str, port: int) -> None:
 @click.option("--allow-remote", is_flag=True,
               help="Listen on a non-loopback address. The RPC protocol has no authentication: trusted networks only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object once the server answers.")
-def command(host, port, threads, lib, device, allow_remote, as_json):
+def command(host: str, port: int, threads: int | None, lib: str, device: str, allow_remote: bool,
+            as_json: bool) -> None:
     """Serve a device of this machine's llama.cpp build over ggml's RPC protocol until Ctrl-C or
     SIGTERM (then exit 0). Clients run `dflash prefill --rpc HOST:PORT --device rpc:0 ...`; they
     refuse a server whose library build differs from theirs unless --allow-mixed-builds."""
@@ -49,7 +50,7 @@ def command(host, port, threads, lib, device, allow_remote, as_json):
     spec = devices.parse_spec(device)
     if len(spec.entries) != 1 or spec.rpc_ids:
         raise UsageError(f"--device {device!r}: a server serves one local device (cpu, hip:N or cuda:N)")
-    s = settings.resolve(lib=lib)
+    s = settings.Settings.from_env(lib=lib)
     for w in s.warnings():
         output.warn(w)
     if warning:
@@ -57,9 +58,9 @@ def command(host, port, threads, lib, device, allow_remote, as_json):
     devices.require_gpu(device)  # exit 3 before any build
     _port_free(host, port)
     kind = spec.kind
-    lib_dir = engine.load_library(s, output.note, gpu="none" if kind == "cpu" else kind)
-    build = qualification.build_id(s, kind)
-    os.environ[rpc.ENV_BUILD_ID] = rpc.build_id_text(build, s.lib, str(spec))
+    build = proofs.build_id(s, kind)
+    os.environ[rpc.ENV_BUILD_ID] = rpc.build_id_text(build, s.lib, str(spec))  # before llama.cpp loads
+    lib_dir = engine.load_library(s, output.note, gpu="none" if kind == "cpu" else kind, build_missing=True)
     n_threads = threads or min(os.cpu_count() or 1, 8)
     endpoint = rpc.Endpoint(host, port)
     served = "cpu" if kind == "cpu" else f"gpu:{spec.gpu_ids[0]}"
@@ -86,9 +87,9 @@ def command(host, port, threads, lib, device, allow_remote, as_json):
     try:
         while thread.is_alive():
             thread.join(0.5)
-    except supervisor.Interrupted:
+    except stage.Interrupted:
         output.note(f"dflash rpc-server at {endpoint}: stopped")
-        supervisor.exiting(0)
+        stage.exiting(0)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # ggml's accept loop has no stop call: end the process, which closes its sockets

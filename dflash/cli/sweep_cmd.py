@@ -1,17 +1,17 @@
 """`dflash sweep`: prefill tokens/s per library and band width, one worker process per library."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import click
 from rich.table import Table
 
-from .. import engine, evidence, records, sweep
-from ..errors import DflashError, UsageError
+from .. import evidence, provenance, settings, sweep
+from ..errors import DflashError, NotExactError, UsageError
+from ..fileio import write_atomic
 from . import output
-from .options import Command, model_option, prompt_options, threads_option
+from .options import Command, model_option, prompt_options, read_prompt, threads_option
 
 
 @click.command("sweep", cls=Command)
@@ -27,19 +27,20 @@ from .options import Command, model_option, prompt_options, threads_option
 @click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to create [default: evidence/runs/sweep-<time>-<id>].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model, weights, prompt, prompt_file, widths, libs, runs, warmup, threads, plot_path,
-            evidence_dir, as_json):
+def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, widths: str, libs: str,
+            runs: int, warmup: int, threads: int | None, plot_path: str | None, evidence_dir: str | None,
+            as_json: bool) -> None:
     """Prefill throughput of each library at each fixed band width, rounds interleaved.
 
     The prompt (default: the built-in one) is repeated until it has at least the widest width's
     tokens. Each width is also checked once against its library's q1 (logits of every position and
-    the response, bit for bit). Exits 1 (after writing the evidence) when a width of the exact
+    the response, bit for bit). Exits 4 (after writing the evidence) when a width of the exact
     library differs from its q1."""
     plan = sweep.Plan(sweep.parse_libs(libs), sweep.parse_widths(widths), runs, warmup,
-                      engine.read_prompt(prompt, prompt_file), model, weights, threads)
+                      read_prompt(prompt, prompt_file), model, weights, threads, settings.Settings.from_env())
     if plot_path and not Path(plot_path).absolute().parent.is_dir():
         raise UsageError(f"--plot {plot_path}: its folder does not exist")
-    dest = Path(evidence_dir) if evidence_dir else records.default_evidence_dir("sweep")
+    dest = Path(evidence_dir) if evidence_dir else provenance.default_evidence_dir("sweep")
     with evidence.EvidenceWriter(dest, "sweep") as writer:  # a bad --evidence fails before the runs
         with output.progress_bar("sweep") as progress:
             m = sweep.measure(plan, progress, log=output.note)
@@ -52,25 +53,17 @@ def command(model, weights, prompt, prompt_file, widths, libs, runs, warmup, thr
                    "verify_n_predict": sweep.VERIFY_N_PREDICT, "plot": plot_path}
         path, manifest_sha = sweep.write_evidence(writer, sys.argv, options, m, r, png)
     if plot_path:
-        _write_file(plot_path, png)
+        try:
+            write_atomic(plot_path, png)
+        except OSError as e:
+            raise DflashError(f"cannot write --plot {plot_path}: {e.strerror}") from None
     out = {**r.to_json(), "evidence_dir": str(path), "manifest_sha256": manifest_sha, "plot": plot_path}
     if as_json:
         output.emit_json(out)
     else:
         show(r, out)
     if not r.exact_library_exact:
-        raise DflashError(f"a width of the exact library differs from its q1 (evidence {path})")
-
-
-def _write_file(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise DflashError(f"cannot write --plot {path}: {e.strerror}") from None
+        raise NotExactError(f"a width of the exact library differs from its q1 (evidence {path})")
 
 
 def show(r: sweep.SweepResult, out: dict) -> None:

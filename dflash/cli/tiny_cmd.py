@@ -1,18 +1,18 @@
 """`dflash tiny-model`: write the built-in tiny DeepSeek-V4 GGUF."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import click
 
-from .. import engine, gguf_meta, tiny_model
+from .. import engine, gguf_meta, settings, tiny_model
 from ..errors import DflashError
+from ..fileio import sha256_file
 from . import output
 from .options import Command
 
 
-def _out_path(ctx, param, value):
+def _out_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """--out: absent means the user cache; given, it must name a file (empty is no default)."""
     if value is None:
         return None
@@ -45,7 +45,8 @@ def _out_path(ctx, param, value):
               help="Write DeepSeek-V4 Flash's metadata and tensor shapes without weights (a sparse file of the "
                    "model's size, nothing written for the weights) to --out, for `dflash memory`.")
 @click.option("--json", "as_json", is_flag=True)
-def command(out, weights, seed, idx_heads, idx_dim, top_k, ds4_flash_shapes, as_json):
+def command(out: str | None, weights: str, seed: int, idx_heads: int, idx_dim: str, top_k: int,
+            ds4_flash_shapes: bool, as_json: bool) -> None:
     """Write the deterministic tiny DeepSeek-V4 model. The indexer options make models where the
     indexer is a real share of the work (and where the all-pooled shortcut applies: its mask is at
     least 256 pooled rows wide, so a top-k of 256 or more)."""
@@ -66,10 +67,10 @@ def command(out, weights, seed, idx_heads, idx_dim, top_k, ds4_flash_shapes, as_
         return
     cfg = tiny_model.TinyConfig(weights=weights, seed=seed, idx_heads=idx_heads, idx_dim=int(idx_dim), top_k=top_k)
     try:
-        path = engine.write_tiny_model(cfg, out, log=output.note)
+        path = engine.write_tiny_model(cfg, out, settings.Settings.from_env(), log=output.note, build_missing=True)
     except OSError as e:  # --out in a folder that cannot be made or written
         raise DflashError(f"cannot write {out}: {e.strerror or e}") from None
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_file(path)
     types = gguf_meta.read(path).weight_types
     if as_json:
         output.emit_json({"path": str(path), "weights": weights, "seed": seed, "sha256": digest,

@@ -38,10 +38,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, NoReturn
 
 from . import build, devices, gguf_meta, paths, tiny_model
-from .errors import DflashError, UsageError
-from .evidence import sha256_file
+from .errors import DflashError, UsageError, arg
+from .fileio import sha256_file, write_atomic
 from .rpc import Remote
 from .settings import AUTO, ENV_LIB_DIR, FIXED, LIBS, MAX_BAND, MAX_CHUNK, PLANNER, Chunk, Qualified, Settings
 
@@ -138,7 +139,7 @@ def merge(old: Record | None, new: Record) -> Record:
 # ---------------------------------------------------------------------------------------------
 # The one writer and the one reader
 
-def to_json(r: Record) -> dict:
+def to_json(r: Record) -> dict[str, Any]:
     i = r.identity
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "key": i.key,
             "library": {"flavor": i.flavor, "source": i.library_source, "key": i.library_key},
@@ -156,18 +157,18 @@ def _need(ok: bool, msg: str) -> None:
         raise RecordError(msg)
 
 
-def _is_int(x, lo: int, hi: int) -> bool:
+def _is_int(x: object, lo: int, hi: int) -> bool:
     return type(x) is int and lo <= x <= hi
 
 
-def _is_time(text) -> bool:
+def _is_time(text: object) -> bool:
     try:
         return isinstance(text, str) and datetime.strptime(text, TIME_FORMAT) is not None
     except ValueError:
         return False
 
 
-def _verdict(i: int, d) -> Verdict:
+def _verdict(i: int, d: Any) -> Verdict:  # d: a JSON value, checked here
     _need(isinstance(d, dict) and set(d) == _WIDTH_KEYS,
           f"widths[{i}] must have exactly the keys {sorted(_WIDTH_KEYS)}")
     w = d["width"]
@@ -182,7 +183,7 @@ def _verdict(i: int, d) -> Verdict:
 
 def parse(raw: bytes) -> Record:
     """Strict reader; RecordError says what is wrong."""
-    def no_constant(name):
+    def no_constant(name: str) -> NoReturn:
         raise ValueError(f"{name} is not JSON")
     try:
         d = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
@@ -211,7 +212,7 @@ def parse(raw: bytes) -> Record:
     return Record(ident, model["path"], d["updated_utc"], widths)
 
 
-def read(path: str | os.PathLike) -> Record:
+def read(path: str | os.PathLike[str]) -> Record:
     """The record at `path`; RecordError (naming the path) when missing, unreadable or malformed."""
     try:
         raw = Path(path).read_bytes()
@@ -223,19 +224,13 @@ def read(path: str | os.PathLike) -> Record:
         raise RecordError(f"{path}: {e}") from None
 
 
-def write(path: str | os.PathLike, record: Record) -> Path:
-    """Write atomically (a temporary sibling renamed into place)."""
+def write(path: str | os.PathLike[str], record: Record) -> Path:
+    """Write atomically and durably (fileio.write_atomic)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(render(record))
-        os.replace(tmp, path)
+        return write_atomic(path, render(record))
     except OSError as e:
         raise DflashError(f"cannot write qualification record {path}: {e.strerror}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def record_path(identity: Identity) -> Path:
@@ -313,12 +308,12 @@ def build_id(settings: Settings, kind: str = "cpu") -> str:
     return f"{settings.lib}-{key}" if source == "build" else f"{settings.lib}-dir-{key[:16]}"
 
 
-def identity(settings: Settings, model_path: str | os.PathLike, device: str = "cpu",
+def identity(settings: Settings, model_path: str | os.PathLike[str], device: str = "cpu",
              remote: Remote | None = None, repack: bool = True) -> Identity:
     """What a record is about. Plain CPU buffers (--no-repack, and every run with RPC devices) run
     other kernels than AMX and repacked ones, and what RPC servers run is part of the run: both
     enter the library key."""
-    from .records import file_sha256  # records imports the engine; keep this module light
+    from .provenance import file_sha256  # records imports the engine; keep this module light
     source, key = library_key(settings, devices.device_kind(device))
     if remote is not None:
         key = hashlib.sha256(f"{key}|rpc={remote.identity}".encode()).hexdigest()[:16]
@@ -379,7 +374,7 @@ def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, de
     cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == AUTO else str(chunk), remote,
                           repack)
     if chunk != AUTO:
-        raise UsageError(f"--chunk {chunk}: no qualification record proves width {chunk} exact for this "
+        raise UsageError(f"{arg('chunk')} {chunk}: no qualification record proves width {chunk} exact for this "
                          f"library, model and device: run `{cmd}`")
     note(f"--chunk auto: no qualification record for this library, model and device, running "
          f"{MAX_BAND} (to qualify wider bands run `{cmd}`)")

@@ -8,24 +8,27 @@ import platform
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, llama, paths
 from .devices import cpu_model
-from .engine import Engine
 from .errors import DflashError
-from .evidence import default_dir, sha256_file
+from .evidence import default_dir
+from .fileio import sha256_file, write_atomic
 from .paths import REPO_ROOT
 
+if TYPE_CHECKING:
+    from .engine import Engine
 
-def machine_facts() -> dict:
+
+def machine_facts() -> dict[str, Any]:
     """What the numbers were measured on: CPU model, logical cores, platform, Python."""
     return {"cpu_model": cpu_model(), "logical_cores": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def git_revision(repo_root: str | os.PathLike) -> str | None:
+def git_revision(repo_root: str | os.PathLike[str]) -> str | None:
     """HEAD's commit, plus "-dirty" when `git status --porcelain` lists anything; None if unknown."""
     def git(*args: str) -> str | None:
         try:
@@ -45,14 +48,14 @@ def git_revision(repo_root: str | os.PathLike) -> str | None:
 _SHA_CACHE = "sha256-cache.json"  # {realpath: {"sha256": hex, **_file_identity(stat)}}
 
 
-def _file_identity(st: os.stat_result) -> dict:
+def _file_identity(st: os.stat_result) -> dict[str, int]:
     """What must be unchanged for a remembered hash to still be the file's: an edit changes ctime
     even when size and mtime are restored (utime cannot set ctime), a replacement changes the inode."""
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
             "inode": st.st_ino, "device": st.st_dev}
 
 
-def _read_sha_cache(store: Path) -> dict:
+def _read_sha_cache(store: Path) -> dict[str, dict[str, Any]]:
     """The cache's entries; a missing, unreadable or corrupt cache (or entry) is simply absent."""
     try:
         known = json.loads(store.read_bytes()) if store.is_file() else {}  # is_file: never open a FIFO
@@ -62,21 +65,6 @@ def _read_sha_cache(store: Path) -> dict:
         return {}
     return {path: e for path, e in known.items() if isinstance(e, dict) and isinstance(e.get("sha256"), str)
             and re.fullmatch(r"[0-9a-f]{64}", e["sha256"])}
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace path with data all at once (a temp file in the same folder, fsynced, renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def file_sha256(path: str) -> str:
@@ -96,7 +84,7 @@ def file_sha256(path: str) -> str:
         raise DflashError(f"{path}: changed while it was being hashed")
     known[real] = {**identity, "sha256": sha}
     try:
-        _write_atomic(store, json.dumps(known, sort_keys=True).encode())
+        write_atomic(store, json.dumps(known, sort_keys=True).encode())
     except OSError:
         pass  # a read-only cache only costs the re-hash next time
     return sha
@@ -109,13 +97,13 @@ def default_evidence_dir(kind: str) -> Path:
     return default_dir(root / "evidence" / "runs", kind)
 
 
-def library_identity() -> dict:
+def library_identity() -> dict[str, Any]:
     return {"dir": str(llama.library_dir()), "llama_cpp_python": paths.LLAMA_CPP_PYTHON_VERSION,
             "llama_cpp_commit": paths.LLAMA_CPP_COMMIT,
             "files": {p.name: sha256_file(p) for p in llama.library_files()}}
 
 
-def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[int]) -> dict[str, dict]:
+def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[int]) -> dict[str, dict[str, Any]]:
     """Records keyed by evidence file name (command.json, library.json, ...)."""
     from .prefill import sha256_tokens
     s = eng.settings

@@ -39,7 +39,7 @@ from . import choice, devices, engine, evidence, llama, memory, prefill, provena
 from . import rpc as rpc_mod
 from .errors import UsageError, arg
 from .results import BenchResult, Json, Library, MemoryResult, PrefillResult, QualifyResult
-from .settings import ENV_BANDS, Chunk, Settings
+from .settings import ENV_BANDS, MAX_CHUNK, Chunk, Settings
 
 Say = Callable[[str], None]
 Progress = Callable[[int, int], None]
@@ -104,8 +104,8 @@ class Session:
         model_path = None if model is None else os.fspath(model)
         if weights not in tiny_model.WEIGHTS:
             raise UsageError(f"{arg('weights')} {weights!r} is unknown (use one of {', '.join(tiny_model.WEIGHTS)})")
-        if max_band is not None and not 1 <= max_band <= 512:
-            raise UsageError(f"{arg('max_band')} {max_band} is outside 1..512")
+        if max_band is not None and not 1 <= max_band <= MAX_CHUNK:
+            raise UsageError(f"{arg('max_band')} {max_band} is outside 1..{MAX_CHUNK}")
         env = settings.env if settings is not None else {}
         self.log, self.warn, self.ctx, self.max_band = log, warn, ctx, max_band
         self.remote = rpc_mod.connect(_endpoints(rpc), devices.parse_spec(device).rpc_ids, allow_mixed_builds)
@@ -271,9 +271,7 @@ class Session:
         every width, writes an evidence directory (default: evidence/runs/qualify-...) and stores
         the verdicts as the qualification record that chunk N > 4 and "auto" run from. Without a
         prompt the built-in one is repeated until a band of the widest width is really decoded."""
-        ws = sorted(set(widths))
-        if not ws or ws[0] < 1 or ws[-1] > 512:
-            raise UsageError(f"{arg('widths')} must be in 1..512")
+        ws = _widths(widths)
         if prompt is None:
             text, tokens = qualify.long_prompt(engine.DEFAULT_PROMPT, self.engine.tokenize, max(ws))
         else:
@@ -306,9 +304,7 @@ class Session:
                progress: Progress = _no_progress) -> MemoryResult:
         """Bytes llama.cpp allocates for a context of `ctx` tokens at each band width: an estimate
         on a no_alloc session (nothing is read or allocated), a measurement otherwise."""
-        ws = sorted(set(widths))
-        if not ws or ws[0] < 1 or ws[-1] > 512:
-            raise UsageError(f"{arg('widths')} must be in 1..512")
+        ws = _widths(widths)
         eng = self.engine
         n_ctx = eng.context_size(0, 0, ctx)  # checked against the model's context length
         rows = memory.estimate(eng, n_ctx, ws, progress)
@@ -324,6 +320,14 @@ def _endpoints(rpc: str | Sequence[str] | None) -> str | None:
     if rpc is None or isinstance(rpc, str):
         return rpc
     return ",".join(rpc)
+
+
+def _widths(widths: Iterable[int]) -> list[int]:
+    """Distinct band widths in 1..MAX_CHUNK, sorted."""
+    ws = sorted(set(widths))
+    if not ws or ws[0] < 1 or ws[-1] > MAX_CHUNK:
+        raise UsageError(f"{arg('widths')} must be in 1..{MAX_CHUNK}")
+    return ws
 
 
 def _check_request(n_predict: int, logits: str) -> None:

@@ -6,6 +6,9 @@ configured through the project's CMakeLists.txt for a flavor ("exact" or "stock"
 installed under ~/.cache/dflash/llama/<flavor>-<key>/ where the key hashes every input of the
 build: the pinned version, the flavor and GPU backend, the CMake files, the compiler and the
 host CPU's feature flags (the build is native).
+
+`build_server` builds llama.cpp's own llama-server the same way (same source, patch set and
+options, linked statically, plus server/patches) into ~/.cache/dflash/llama-server/<flavor>-<key>/.
 """
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .errors import DflashError
@@ -26,12 +30,13 @@ from .fileio import fsync_dir, fsync_file
 from .paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROOT, cache_root
 
 __all__ = ["FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
-           "build_hip_compile_only", "build_key", "build_library", "cache_root", "hip_compile_key", "hip_headers",
-           "install_dir", "is_built", "library_dir", "source_dir"]
+           "build_hip_compile_only", "build_key", "build_library", "build_server", "cache_root", "hip_compile_key",
+           "hip_headers", "install_dir", "is_built", "library_dir", "server_binary", "source_dir"]
 
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact", "rpc/patches"),
                "stock": ("cpu_kernels/patches/common", "rpc/patches")}  # the patch set each flavor applies
+_SERVER_INPUTS = ("server/apply_patches.cmake", "server/patches")  # what a server build reads beyond a library's
 
 Log = Callable[[str], None]
 
@@ -53,16 +58,19 @@ def _host_fingerprint() -> str:
     return f"{platform.machine()}|{flags}|{cc.splitlines()[0] if cc else ''}"
 
 
-def build_key(flavor: str, gpu: str = "none") -> str:
+def build_key(flavor: str, gpu: str = "none", server: bool = False) -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}|{flavor}|{gpu}|".encode())
+    if server:
+        h.update(b"llama-server|")
     if not (REPO_ROOT / "CMakeLists.txt").is_file():
         raise DflashError(f"dflash builds llama.cpp from its source checkout, and {REPO_ROOT} is not one: "
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    for d in _PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu in ("hip", "cuda") else ()):
-        for p in sorted((REPO_ROOT / d).rglob("*")):
+    for d in (_PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu in ("hip", "cuda") else ())
+              + (_SERVER_INPUTS if server else ())):
+        for p in sorted((REPO_ROOT / d).rglob("*")) if (REPO_ROOT / d).is_dir() else [REPO_ROOT / d]:
             if p.is_file():
                 h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes())
     h.update(_host_fingerprint().encode())
@@ -88,18 +96,27 @@ def _nvcc_version() -> str:
     return (r.stdout.strip().splitlines() or ["?"])[-1]
 
 
-def install_dir(flavor: str, gpu: str = "none") -> Path:
+def install_dir(flavor: str, gpu: str = "none", server: bool = False) -> Path:
     if flavor not in FLAVORS:
         raise DflashError(f"unknown llama.cpp library flavor {flavor!r} (use one of {', '.join(FLAVORS)})")
-    return cache_root() / "llama" / f"{flavor}-{build_key(flavor, gpu)}"
+    return cache_root() / ("llama-server" if server else "llama") / f"{flavor}-{build_key(flavor, gpu, server)}"
 
 
 def library_dir(flavor: str, gpu: str = "none") -> Path:
     return install_dir(flavor, gpu) / "lib"
 
 
-def is_built(flavor: str, gpu: str = "none") -> bool:
-    return (library_dir(flavor, gpu) / "libllama.so").is_file()
+def server_binary(flavor: str, gpu: str = "none") -> Path:
+    """Where `build_server` puts llama-server for this flavor and GPU backend."""
+    return install_dir(flavor, gpu, server=True) / "bin" / "llama-server"
+
+
+def _product(flavor: str, gpu: str, server: bool) -> Path:
+    return server_binary(flavor, gpu) if server else library_dir(flavor, gpu) / "libllama.so"
+
+
+def is_built(flavor: str, gpu: str = "none", server: bool = False) -> bool:
+    return _product(flavor, gpu, server).is_file()
 
 
 def sdist_path(log: Log = lambda s: None) -> Path:
@@ -150,17 +167,30 @@ def source_dir(log: Log = lambda s: None) -> Path:
 def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
                   log: Log = lambda s: None) -> Path:
     """Configure and build llama.cpp for `flavor` unless the keyed install already exists."""
-    if is_built(flavor, gpu):
-        return library_dir(flavor, gpu)
+    _build(flavor, gpu, False, jobs, log)
+    return library_dir(flavor, gpu)
+
+
+def build_server(flavor: str, gpu: str = "none", jobs: int | None = None, log: Log = lambda s: None) -> Path:
+    """Build llama.cpp's llama-server for `flavor` (static; the flavor's patch set plus server/patches)
+    unless the keyed install already exists; returns the binary."""
+    _build(flavor, gpu, True, jobs, log)
+    return server_binary(flavor, gpu)
+
+
+def _build(flavor: str, gpu: str, server: bool, jobs: int | None, log: Log) -> None:
+    what = "llama-server" if server else "llama.cpp"
+    if is_built(flavor, gpu, server):
+        return
     if shutil.which("cmake") is None:
         raise DflashError("cmake is not installed (apt-get install cmake)")
     if gpu == "cuda" and _nvcc() is None:
         raise DflashError("the CUDA build needs nvcc (install the CUDA toolkit, or put its bin/ on PATH)")
     from .stage import stage
-    stage(f"build of the {flavor} llama.cpp library")
+    stage(f"build of the {flavor} {what}" + ("" if server else " library"))
     src = source_dir(log)
-    dest = install_dir(flavor, gpu)
-    work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-", dir=cache_root()))
+    dest = install_dir(flavor, gpu, server)
+    work = Path(tempfile.mkdtemp(prefix=f"build-{'server-' if server else ''}{flavor}-", dir=cache_root()))
     staging = work / "install"
     # every build patches its source (cpu_kernels/patches, and hip_kernels for HIP): give it a
     # private copy, never the shared tree
@@ -169,33 +199,32 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
     configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"),
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",
-                 "-DDFLASH_BUILD_KERNELS=OFF"]
+                 "-DDFLASH_BUILD_KERNELS=OFF", f"-DDFLASH_LLAMA_SERVER={'ON' if server else 'OFF'}"]
     if gpu == "cuda":
         configure += [f"-DCUDA_ARCHITECTURES={cuda_architectures()}"]
     env = {**os.environ, **({"CUDACXX": str(_nvcc())} if gpu == "cuda" else {})}  # how CMake finds nvcc
     build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
-    log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
+    log(f"building {what} ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
     try:
         for cmd in (configure, build):
-            with open(work / "build.log", "a") as out:
-                r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-            if r.returncode != 0:
-                keep = cache_root() / f"build-{flavor}-failed.log"
+            rc = _run_logged(cmd, work / "build.log", log, progress=what if cmd is build else None, env=env)
+            if rc != 0:
+                keep = cache_root() / f"build-{'server-' if server else ''}{flavor}-failed.log"
                 shutil.copyfile(work / "build.log", keep)
                 hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
                         "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
                 if gpu == "cuda" and "CUDA::cublas" in (work / "build.log").read_text(errors="replace"):
                     hint = "; the CUDA toolkit here has no cuBLAS, which ggml's CUDA backend links (install libcublas)"
-                raise DflashError(f"llama.cpp {flavor} build failed (rc={r.returncode}){hint}; log: {keep}")
-        if not (staging / "lib" / "libllama.so").is_file():
-            raise DflashError(f"llama.cpp {flavor} build produced no libllama.so")
+                raise DflashError(f"{what} {flavor} build failed (rc={rc}){hint}; log: {keep}")
+        product = staging / ("bin/llama-server" if server else "lib/libllama.so")
+        if not product.is_file():
+            raise DflashError(f"{what} {flavor} build produced no {product.name}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(staging, dest)  # atomic: a half-built tree never sits at the keyed path
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return library_dir(flavor, gpu)
 
 
 # ---- compile-only ggml-hip (no ROCm): `dflash build --gpu hip --compile-only` ----
@@ -265,25 +294,30 @@ def hip_compile_key(archs: tuple[str, ...] = HIP_ARCHS) -> str:
     return h.hexdigest()[:16]
 
 
-def _run_logged(cmd: list[str], logfile: Path, log: Log, progress: bool = False) -> int:
-    """Run cmd with its output appended to logfile; with progress, report ninja's [n/N] every 5%."""
+# a compile or link step: ninja's "[n/N] Building ...", make's "[ NN%] Building ..." (not the outer
+# ExternalProject steps, whose own percentages count its handful of steps)
+_STEP = re.compile(r"^\[\s*(?:(\d+)/(\d+)|(\d+)%)\]\s+(?:Building|Linking)")
+
+
+def _run_logged(cmd: list[str], logfile: Path, log: Log, progress: str | None = None,
+                env: Mapping[str, str] | None = None) -> int:
+    """Run cmd with its output appended to logfile; with `progress` (a label), report the build's
+    steps (ninja's [n/N] or make's [ NN%]) every 5%."""
     with open(logfile, "a") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         assert proc.stdout is not None
         last = -5
         for line in proc.stdout:
             out.write(line)
-            if progress and line.startswith("[") and "/" in line.split("]", 1)[0]:
-                try:
-                    done, total = (int(x) for x in line[1:].split("]", 1)[0].split("/"))
-                except ValueError:
-                    continue
-                pct = 100 * done // max(total, 1)
-                if pct >= last + 5 or done == total:
-                    last = pct
-                    log(f"ggml-hip: {done}/{total} build steps ({pct}%)")
+            m = _STEP.match(line) if progress else None
+            if m is None:
+                continue
+            pct = 100 * int(m[1]) // max(int(m[2]), 1) if m[1] else int(m[3])
+            if pct >= last + 5:
+                last = pct
+                log(f"{progress}: {pct}% built" + (f" ({m[1]}/{m[2]} steps)" if m[1] else ""))
         return proc.wait()
 
 
@@ -332,7 +366,7 @@ def build_hip_compile_only(archs: tuple[str, ...] = HIP_ARCHS, jobs: int | None 
         if cmd[-1].endswith("apply_patch.cmake"):
             (tree / ".dflash-patched").write_text("ok\n")
     build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
-    if _run_logged(build, logfile, log, progress=True) != 0:
+    if _run_logged(build, logfile, log, progress="ggml-hip") != 0:
         raise DflashError(f"compile-only ggml-hip build failed; log: {logfile}")
     staging = work / "out"
     shutil.rmtree(staging, ignore_errors=True)

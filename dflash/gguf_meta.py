@@ -152,3 +152,12 @@ def _read(path: Path) -> ModelInfo:
         weight_types=dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items())),
         matrix_types=dict(sorted(Counter(t.tensor_type.name for t in reader.tensors if _is_matrix(t)).items())),
     )
+
+
+def has_chat_template(path: str | os.PathLike[str]) -> bool:
+    """Whether the GGUF carries a chat template (tokenizer.chat_template), as llama-server applies it."""
+    from gguf import GGUFReader
+    try:
+        return bool(_field(GGUFReader(Path(path)), "tokenizer.chat_template"))
+    except _READER_ERRORS as e:
+        raise ModelError(f"corrupt or truncated GGUF {path}: {type(e).__name__}: {e}".splitlines()[0]) from None

@@ -150,7 +150,7 @@ class Child:
             try:
                 with open(self.capture, "wb") as cap:
                     self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=cap, stderr=cap, pass_fds=(out, err),
-                                                 env=child_env, preexec_fn=_die_with_parent)
+                                                 env=child_env, preexec_fn=die_with_parent)
             finally:
                 os.close(out)
                 os.close(err)
@@ -213,7 +213,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None, live: bool = Fa
         child.cleanup()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the forked child before exec: SIGTERM when the supervisor dies (even by SIGKILL), so the
     worker stops and removes its temp files instead of running on as an orphan."""
     try:

@@ -25,7 +25,7 @@ def _isolate_qualification_records() -> None:
     real.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="dflash-test-cache-", dir=real.parent))  # same file system
     (tmp / "dflash").mkdir()
-    for entry in ("llama", "models", "sdist", "src", "hip-headers", "ggml-hip"):
+    for entry in ("llama", "llama-server", "models", "sdist", "src", "hip-headers", "ggml-hip"):
         (real / entry).mkdir(exist_ok=True)
         (tmp / "dflash" / entry).symlink_to(real / entry, target_is_directory=True)
     os.environ["XDG_CACHE_HOME"] = str(tmp)

@@ -15,11 +15,13 @@ LAYERS: list[set[str]] = [
     {"dflash", "errors", "stage", "paths", "fileio", "stats", "trace", "narrow", "bands", "settings", "rpc",
      "devices", "gguf_meta"},
     # 1, what talks to llama.cpp, the build, files on disk, and typed results
-    {"llama", "build", "evidence", "tiny_model", "kernel_selftest", "results", "prefill", "supervisor"},
+    {"llama", "build", "evidence", "tiny_model", "kernel_selftest", "results", "prefill", "supervisor", "serving",
+     "server"},
     # 2, runs on a loaded model: engine, records, the checks
-    {"engine", "proofs", "provenance", "memory", "diff", "bench", "qualify", "choice"},
-    # 3, the library facade
-    {"session"},
+    {"engine", "proofs", "provenance", "memory", "diff", "bench", "qualify", "choice", "serve_workload",
+     "serve_record", "serve_check"},
+    # 3, the library facades
+    {"session", "serve"},
     # 4, sessions in other processes
     {"worker", "matrix", "sweep"},
     # 5, the command line

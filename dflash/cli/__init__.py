@@ -39,12 +39,13 @@ def _register() -> None:
         prefill_cmd,
         qualify_cmd,
         rpc_cmd,
+        serve_cmd,
         sweep_cmd,
         tiny_cmd,
         verify_cmd,
     )
     for mod in (plan_cmd, prefill_cmd, bench_cmd, sweep_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
-                devices_cmd, tiny_cmd, build_cmd, rpc_cmd, memory_cmd):
+                devices_cmd, tiny_cmd, build_cmd, rpc_cmd, memory_cmd, serve_cmd):
         for c in getattr(mod, "commands", None) or [mod.command]:
             cli.add_command(c)
 

@@ -1,4 +1,4 @@
-"""`dflash build`: build (or locate) the cached llama.cpp libraries."""
+"""`dflash build`: build (or locate) the cached llama.cpp libraries and llama-server binaries."""
 from __future__ import annotations
 
 import click
@@ -20,12 +20,16 @@ from .options import Command
               help="With --gpu hip: compile the whole patched ggml-hip for gfx1151 and gfx1201 without ROCm "
                    "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "
                    "library (JSON key 'library'). Proves it builds; it runs only with ROCm's real libraries.")
+@click.option("--server", is_flag=True,
+              help="Build llama.cpp's llama-server for each flavor instead of the library: the same patched "
+                   "source and options, linked statically, with server/patches (what `dflash serve` runs).")
 @click.option("--json", "as_json", is_flag=True)
-def command(libs: tuple[str, ...], gpu: str, compile_only: bool, as_json: bool) -> None:
-    """Build the exact and stock llama.cpp libraries (cached, keyed by their inputs)."""
+def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, as_json: bool) -> None:
+    """Build the exact and stock llama.cpp libraries, or with --server their llama-server binaries
+    (cached, keyed by their inputs)."""
     if compile_only:
-        if gpu != "hip" or libs:
-            raise click.UsageError("--compile-only goes with --gpu hip and no --lib")
+        if gpu != "hip" or libs or server:
+            raise click.UsageError("--compile-only goes with --gpu hip and no --lib or --server")
         lib = build.build_hip_compile_only(log=output.note)
         if as_json:
             output.emit_json({"library": str(lib), "archs": list(build.HIP_ARCHS)})
@@ -34,7 +38,8 @@ def command(libs: tuple[str, ...], gpu: str, compile_only: bool, as_json: bool) 
         return
     done = {}
     for flavor in libs or build.FLAVORS:
-        done[flavor] = str(build.build_library(flavor, gpu, log=output.note))
+        made = build.build_server if server else build.build_library
+        done[flavor] = str(made(flavor, gpu, log=output.note))
     if as_json:
         output.emit_json(done)
     else:

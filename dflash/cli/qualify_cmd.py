@@ -1,6 +1,8 @@
 """`dflash qualify`: which band widths are bit-identical to q1 on this model and build."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import cast
 
 import click
@@ -8,8 +10,11 @@ from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import qualify, settings
+from .. import gguf_meta, qualify, serve_workload, serving, settings
+from .. import serve as serve_lib
+from ..errors import NotExactError, UsageError
 from ..results import QualifyResult, RunCheck
+from ..serve_check import ServeQualifyResult
 from . import output
 from .options import (
     Command,
@@ -39,10 +44,25 @@ from .options import (
 @click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to write [default: evidence/runs/qualify-<UTC time>-<hex>].")
 @device_option
+@click.option("--serve", is_flag=True,
+              help="Qualify llama-server configurations instead of band widths (see below; --widths, --prompt, "
+                   "--resume-at and --n-predict do not apply).")
+@click.option("--parallel", type=click.IntRange(1, serving.MAX_PARALLEL), default=4, show_default=True,
+              help="With --serve: the slots to qualify (1 is always qualified too).")
+@click.option("--ubatch", type=click.IntRange(1, settings.MAX_CHUNK), default=512, show_default=True,
+              help="With --serve: tokens per llama_decode (-b/-ub).")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="With --serve: tokens per response.")
+@click.option("--prefix-words", type=click.IntRange(1, 100_000), default=300, show_default=True,
+              help="With --serve: words of the prompt prefix the requests share.")
+@click.option("--ctx", type=click.IntRange(16, 1 << 24), default=4096, show_default=True,
+              help="With --serve: context per slot.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- LLAMA-SERVER OPTIONS]")
 def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, widths: str,
             resume_at: int | None, threads: int | None, lib: str, n_predict: int, evidence_dir: str | None,
-            device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool, as_json: bool) -> None:
+            device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool, serve: bool, parallel: int,
+            ubatch: int, max_tokens: int, prefix_words: int, ctx: int, as_json: bool, extra: tuple[str, ...]) -> None:
     """Run q1 once and the band planner at every cap in --widths over a prompt that crosses the
     compressor boundaries and the sliding window, with a resumed (unaligned) start and a tail; report
     per width whether the logits of every position are bit-identical to q1's (and the first
@@ -63,7 +83,27 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
 
     qualify reports, it is not a gate: it exits 0 when it ran, whether or not every width is
     exact (read `all_exact` or the table); 2 when the prompt is too short to cross the boundaries
-    or to decode the widest width, or too long for the model's context."""
+    or to decode the widest width, or too long for the model's context.
+
+    With --serve: start llama-server (`dflash serve`'s configuration) with --parallel 1 and N slots
+    in turn on a free loopback port, send each a fixed mixed workload (prompts of different lengths
+    arriving while others decode, a shared prefix, repeats and second turns that hit the prompt
+    cache, streaming and not; chat when the model has a chat template or `-- --chat-template NAME`
+    gives one), and check every response's token ids, logprobs and fingerprints against the same
+    request run alone on a cold one-slot server, and against dflash prefill (q1) of the same prompt.
+    Writes evidence and the serve record `dflash serve` reads. Exit 0 when every response is
+    identical, 4 when one is not."""
+    if serve:
+        click_ctx = click.get_current_context()
+        given = [n for n in ("widths", "prompt", "prompt_file", "resume_at", "n_predict", "rpc")
+                 if click_ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} does not apply to --serve")
+        _serve(model, weights, lib, device, threads, parallel, ubatch, max_tokens, prefix_words, ctx, list(extra),
+               evidence_dir, as_json)
+        return
+    if extra:
+        raise UsageError(f"unexpected argument {extra[0]!r} (llama-server options go with --serve)")
     ws = parse_widths(widths)
     text = None if prompt is None and prompt_file is None else read_prompt(prompt, prompt_file)
     with open_session(model=model, weights=weights, lib=lib, device=device, rpc=rpc,
@@ -73,6 +113,45 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
             result = session.qualify(ws, prompt=text, resume_at=resume_at, n_predict=n_predict,
                                      evidence_dir=evidence_dir, progress=bar)
     output.emit(result, as_json, _print_human)
+
+
+def _serve(model: str | None, weights: str, lib: str, device: str, threads: int | None, parallel: int, ubatch: int,
+           max_tokens: int, prefix_words: int, ctx: int, extra: list[str], evidence_dir: str | None,
+           as_json: bool) -> None:
+    serving.check_extra(extra, allow_inexact=False)
+    target = serve_lib.target(model, weights=weights, lib=lib, device=device, extra=extra,
+                              settings=settings.Settings.from_env(lib=lib), build_missing=True, log=output.note)
+    chat = "--chat-template" in extra or "--chat-template-file" in extra or gguf_meta.has_chat_template(
+        target.check.model)
+    shape = serve_workload.Shape(prefix_words=prefix_words, max_tokens=max_tokens, chat=chat)
+    n_threads = threads or min(os.cpu_count() or 1, 8)
+    result = serve_lib.qualify(target, sorted({1, parallel}), ubatch, ctx, n_threads, shape, evidence_dir,
+                               argv=sys.argv, log=output.note)
+    output.emit(result, as_json, _print_serve)
+    if not result.exact:
+        raise NotExactError(f"not every response of llama-server ({lib}) was identical to its solo cold run and "
+                            f"to dflash prefill (see {result.evidence_dir})")
+
+
+def _print_serve(result: ServeQualifyResult) -> None:
+    o = output.out
+    o.print(f"model     {escape(result.model)}, llama-server {result.flavor}, system_fingerprint "
+            f"{result.fingerprint}", highlight=False)
+    t = Table()
+    for name in ("parallel", "ubatch", "responses", "identical to solo cold", "identical to prefill",
+                 "cache hits", "exact"):
+        t.add_column(name, justify="right")
+    for c in result.configs:
+        e = c.entry(None)
+        t.add_row(str(c.config.parallel), str(c.config.ubatch), str(e.responses), str(e.identical_to_solo),
+                  str(e.identical_to_prefill), str(e.cache_hits), _yes(c.exact))
+    o.print(t)
+    for c in result.configs:
+        for v in c.verdicts:
+            if v.why:
+                o.print(f"[red]parallel {c.config.parallel}, {escape(v.call)}:[/red] {escape(v.why)}", highlight=False)
+    o.print(f"record    {escape(result.record_path)}", highlight=False)
+    o.print(f"evidence  {escape(result.evidence_dir)}  manifest sha256 {result.manifest_sha256}", highlight=False)
 
 
 def _yes(ok: bool | None, good: str = "yes", bad: str = "NO") -> str:

@@ -1,0 +1,164 @@
+"""Exact vs stock llama-server, side by side: throughput, time to first token, cache hits, and the
+share of responses identical to their solo cold run.
+
+    .venv/bin/python benchmarks/serve.py                       # built-in tiny DeepSeek-V4 model
+    .venv/bin/python benchmarks/serve.py --model M.gguf --requests 8 --json out.json
+
+For each library (one llama-server at a time on the machine, the configuration `dflash serve`
+runs: --parallel P, -b/-ub U, one KV stream per slot, prompt cache on), for each concurrency and
+each prompt mode (`shared`: every prompt is the same ~N-token prefix plus its own suffix; `unique`:
+prompts of the same length with nothing in common), R streamed greedy completions of T tokens are
+sent by `concurrency` client threads. Timing window: from the first request sent to the last
+answer read. Reported: generated tokens/s (all completion tokens / window), prompt tokens/s
+(prompt tokens the server evaluated, cached ones excluded / window), time to first token p50/p95
+(first streamed token), and the share of responses identical (token ids, logprobs, last-position
+logits fingerprint) to the same request run alone with the prompt cache off on the same server.
+Then the cache-hit probe: a cold N-token prompt (cache off) and the same prompt again (a prompt
+cache hit), each alone: first-token times and their ratio. Not a test: nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash import serve as ds  # noqa: E402
+from dflash import serve_workload as wl  # noqa: E402
+from dflash import serving, settings  # noqa: E402
+
+
+def _calls(mode: str, n: int, prefix_words: int, max_tokens: int, seed: int) -> list[wl.Call]:
+    out = []
+    for i in range(n):
+        prefix = wl.words(prefix_words, seed) if mode == "shared" else wl.words(prefix_words, seed + 1000 + i)
+        body = {"prompt": f"{prefix} {wl.words(8 + i % 5, seed + 50 + i)}", "max_tokens": max_tokens,
+                "temperature": 0, "logprobs": 1}
+        out.append(wl.Call(f"{mode}-{i}", wl.COMPLETIONS, body, stream=True))
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _load(url: str, calls: list[wl.Call], concurrency: int) -> tuple[list[wl.Response], float]:
+    """The calls through `concurrency` client threads (a shared queue); answers and the window."""
+    out: list[wl.Response | None] = [None] * len(calls)
+    nxt = [0]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(calls):
+                return
+            out[i] = wl.send(url, calls[i])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in out if r is not None], time.perf_counter() - t0
+
+
+def _cache_probe(url: str, prefix_words: int, max_tokens: int, seed: int) -> dict:
+    prompt = wl.words(prefix_words, seed + 7777)
+    call = wl.Call("probe", wl.COMPLETIONS, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                   stream=True)
+    cold = wl.send(url, call, extra={"cache_prompt": False})
+    wl.send(url, call)  # fill the cache (a cold evaluation that keeps its KV)
+    hit = wl.send(url, call)
+    return {"prompt_tokens": cold.prompt_tokens, "cold_ttft_s": cold.first_token_seconds,
+            "hit_ttft_s": hit.first_token_seconds, "hit_cached_tokens": hit.cached_tokens,
+            "speedup": (cold.first_token_seconds / hit.first_token_seconds)
+            if cold.first_token_seconds and hit.first_token_seconds else None,
+            "hit_identical_to_cold": hit.same_as(cold)}
+
+
+def bench_library(lib: str, a: argparse.Namespace) -> dict:
+    target = ds.target(a.model, lib=lib, extra=a.extra, settings=settings.Settings.from_env(lib=lib),
+                       build_missing=True, log=lambda s: print(f"[{lib}] {s}", file=sys.stderr))
+    config = serving.ServeConfig(a.parallel, a.ubatch, a.ctx, a.threads)
+    rows = []
+    with target.server(config) as srv:
+        url = srv.url
+        wl.send(url, wl.Call("warm", wl.COMPLETIONS, {"prompt": "warm up", "max_tokens": 4, "temperature": 0}))
+        for mode in a.modes:
+            for conc in a.concurrency:
+                calls = _calls(mode, a.requests, a.prefix_words, a.max_tokens, a.seed + conc)
+                got, window = _load(url, calls, conc)
+                solo = {c.key(): wl.send(url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False})
+                        for c in calls}
+                ok = [r for r in got if r.status == 200]
+                same = sum(r.same_as(solo[c.key()]) for c, r in zip(calls, got, strict=True))
+                ttft = [r.first_token_seconds for r in ok if r.first_token_seconds is not None]
+                row = {"lib": lib, "mode": mode, "concurrency": conc, "requests": len(calls), "ok": len(ok),
+                       "window_s": window,
+                       "generated_tok_s": sum(len(r.tokens) for r in ok) / window,
+                       "prompt_tok_s": sum(r.prompt_tokens - r.cached_tokens for r in ok) / window,
+                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
+                       "cached_tokens": sum(r.cached_tokens for r in ok),
+                       "identical_to_solo": same, "identical_share": same / len(calls)}
+                print(json.dumps(row), file=sys.stderr)
+                rows.append(row)
+        probe = _cache_probe(url, a.prefix_words, a.max_tokens, a.seed)
+        print(json.dumps({"lib": lib, "cache_probe": probe}), file=sys.stderr)
+    return {"lib": lib, "config": config.to_json(), "fingerprint": target.check.fingerprint, "rows": rows,
+            "cache_probe": probe, "model": target.check.model}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF model [default: the built-in tiny DeepSeek-V4 model]")
+    ap.add_argument("--libs", default="exact,stock")
+    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--modes", default="shared,unique")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prefix-words", type=int, default=1000, help="words of each prompt's prefix")
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", dest="json_out", default=None, help="write all rows to this file")
+    ap.add_argument("extra", nargs="*", help="llama-server options after --")
+    a = ap.parse_args()
+    a.concurrency = [int(x) for x in a.concurrency.split(",")]
+    a.modes = a.modes.split(",")
+    results = [bench_library(lib, a) for lib in a.libs.split(",")]
+    print("| lib | prompts | conc | gen tok/s | prompt tok/s | TTFT p50 | TTFT p95 | identical to solo |")
+    print("|---|---|---|---|---|---|---|---|")
+    for res in results:
+        for r in res["rows"]:
+            print(f"| {r['lib']} | {r['mode']} | {r['concurrency']} | {r['generated_tok_s']:.0f} | "
+                  f"{r['prompt_tok_s']:.0f} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | "
+                  f"{r['identical_to_solo']}/{r['requests']} |")
+    if len(results) == 2:
+        a_rows, b_rows = results[0]["rows"], results[1]["rows"]
+        for x, y in zip(a_rows, b_rows, strict=True):
+            print(f"{x['mode']} c{x['concurrency']}: {results[0]['lib']}/{results[1]['lib']} generated tok/s "
+                  f"{x['generated_tok_s'] / y['generated_tok_s']:.3f}")
+    for res in results:
+        p = res["cache_probe"]
+        print(f"{res['lib']}: cache hit on a {p['prompt_tokens']}-token prompt: first token {p['cold_ttft_s']:.3f} s "
+              f"cold, {p['hit_ttft_s']:.3f} s hit ({p['speedup']:.1f}x), identical {p['hit_identical_to_cold']}")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""dflash serving as a library: the llama-server a model is served by, the configuration that
+keeps it exact, and its qualification. `dflash serve`, `dflash qualify --serve` and
+benchmarks/serve.py stand on these.
+
+    import dflash.serve as ds
+
+    target = ds.target(None, build=True)               # the built-in tiny model, exact flavor
+    config, entry = ds.choose_config(target, parallel=None, ubatch=None, ctx=4096, threads=2)
+    with target.server(config) as s:                   # llama-server on a free loopback port
+        print(s.url)
+
+Like dflash.Session it reads the environment only through `settings` and builds only when asked.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import build, engine, proofs, serve_record, server, serving, tiny_model
+from . import serve_workload as workload
+from .errors import LibraryNotBuilt, UsageError, arg
+from .provenance import default_evidence_dir, file_sha256
+from .serve_check import ServeQualifyResult, Target, prefill_with, qualify_serve
+from .session import Session
+from .settings import AUTO, FIXED, Settings
+
+Say = Callable[[str], None]
+
+__all__ = ["ServeTarget", "choose_config", "qualify", "target"]
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """A model served by one flavor's llama-server, with the flags the library reads (the same the
+    server's copy of the library reads: they go into its environment)."""
+    check: Target
+    settings: Settings
+    weights: str = tiny_model.DEFAULT_WEIGHTS
+    given_model: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> serve_record.Identity:
+        return serve_record.Identity(self.check.flavor, self.check.server_key, self.check.model_sha256,
+                                     self.check.device)
+
+    @property
+    def record_path(self) -> Path:
+        return serve_record.record_path(self.identity)
+
+    def server(self, config: serving.ServeConfig, host: str = "127.0.0.1", port: int | None = None,
+               api_key: str | None = None, log_line: Say = _quiet) -> server.Server:
+        """A llama-server for `config` (not started: use it as a context manager, or start())."""
+        port = server.free_port(host) if port is None else port
+        return server.Server(self.check.argv(config, host, port), host, port, env=self.env, log_line=log_line,
+                             api_key=api_key)
+
+
+def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHTS, lib: str = "exact",
+           device: str = "cpu", extra: Sequence[str] = (), settings: Settings | None = None,
+           build_missing: bool = False, log: Say = _quiet) -> ServeTarget:
+    """What `dflash serve` runs: the flavor's llama-server (built with build_missing, else
+    LibraryNotBuilt), the model (the built-in tiny one when None) and its SHA-256."""
+    if device != "cpu":
+        raise UsageError(f"{arg('device')} {device!r}: dflash serve runs on the CPU for now (the HIP and CUDA "
+                         f"servers build with `dflash build --server --gpu hip|cuda`, but are not wired up)")
+    s = settings or Settings.from_env({}, lib=lib)
+    if not build_missing and not build.is_built(lib, server=True):
+        raise LibraryNotBuilt(f"llama-server ({lib}) is not built yet: run `dflash build --server --lib {lib}` "
+                              f"(a few minutes, once), or pass build_missing=True")
+    binary = build.build_server(lib, log=log)
+    if model is None and tiny_model.needs_quantizer(weights):
+        engine.load_library(s, log, build_missing=build_missing)  # its quantizer writes the preset
+    path = engine.resolve_model(model, weights)
+    if model is not None:
+        proofs.model_file(model, weights)  # a readable GGUF, or a one-line error
+    check = Target(str(binary), str(path), lib, build.build_key(lib, server=True), file_sha256(str(path)), device,
+                   tuple(extra))
+    env = {**os.environ, **s.library_env(), "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint}
+    return ServeTarget(check, s, weights, model, env)
+
+
+def _prefill_width(t: ServeTarget, note: Say) -> int:
+    """The widest width the prefill record proves in fixed-width runs (those cross compressor
+    boundaries, as llama-server's batches do), 1 without one."""
+    q = proofs.lookup(t.settings, AUTO, t.given_model, t.weights, t.check.device, _quiet, _quiet)
+    if q is not None and q.mode == FIXED:
+        return q.width
+    note("no qualification record proves a fixed width for this library and model: llama-server prefills "
+         "one token per step (-ub 1); `dflash qualify --serve` proves a wider one")
+    return 1
+
+
+def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, ctx: int, threads: int,
+                  allow_inexact: bool = False, note: Say = _quiet,
+                  ) -> tuple[serving.ServeConfig, serve_record.Entry | None]:
+    """The configuration `dflash serve` runs and the serve record entry that vouches for it (None:
+    none does). Without --parallel/--ubatch: the configuration of the record's exact entry with
+    the most slots, else one slot and the prefill record's width. A --parallel or --ubatch no entry
+    vouches for is refused unless allow_inexact."""
+    try:
+        record = serve_record.load(t.identity)
+    except serve_record.RecordError as e:
+        note(f"ignoring serve record {e}")
+        record = None
+    exact = sorted((e for e in (record.configs if record else ()) if e.exact),
+                   key=lambda e: (e.config.parallel, e.config.ubatch))
+    if parallel is None and ubatch is None and exact:
+        base = exact[-1].config
+    else:
+        fits = [e for e in exact if (parallel is None or e.config.parallel == parallel)
+                and (ubatch is None or e.config.ubatch == ubatch)]
+        if fits:
+            base = fits[-1].config
+        else:
+            base = serving.ServeConfig(parallel or 1, ubatch or _prefill_width(t, note), ctx, threads)
+    config = replace(base, ctx=ctx, threads=threads)
+    entry = serve_record.find(record, config)
+    if entry is None and (parallel or 1) > 1 and not allow_inexact:
+        raise UsageError(f"{arg('parallel')} {parallel}: no serve record vouches for {parallel} slots at "
+                         f"ubatch {config.ubatch} with this server build and model: run `dflash qualify --serve "
+                         f"--parallel {parallel}{f' --model {t.given_model}' if t.given_model else ''}` first, "
+                         f"or pass --allow-inexact")
+    return config, entry
+
+
+def qualify(t: ServeTarget, parallels: Sequence[int], ubatch: int, ctx: int, threads: int,
+            shape: workload.Shape, evidence_dir: str | os.PathLike[str] | None = None,
+            argv: list[str] | None = None, log: Say = _quiet, log_line: Say = _quiet) -> ServeQualifyResult:
+    """Run the serve qualification (dflash/serve_check.py) for each --parallel value; dflash prefill
+    runs in this process on the same flavor's library."""
+    configs = [serving.ServeConfig(p, ubatch, ctx, threads) for p in parallels]
+    out = Path(evidence_dir) if evidence_dir else default_evidence_dir("serve-qualify")
+    with Session(t.given_model, weights=t.weights, lib=t.check.flavor, threads=threads, bands=False,
+                 settings=t.settings, build=True, log=log) as session:
+        return qualify_serve(t.check, configs, shape, prefill_with(session), out, argv, log, log_line,
+                             env=t.env)

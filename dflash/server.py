@@ -1,0 +1,253 @@
+"""llama-server as a supervised child process, and the small HTTP client dflash speaks to it with.
+
+`Server` starts one llama-server (a binary from `dflash build --server`), relays its log line by
+line, waits until /health answers 200, and stops it (SIGTERM, then SIGKILL after GRACE_SECONDS).
+`serve_forever` is `dflash serve`'s loop: it restarts a server that died (the requests in flight
+fail; the next ones are served) and gives up after MAX_CRASHES crashes within CRASH_WINDOW seconds.
+The client side (`post`, `stream`) is plain http.client on loopback: no retries, a timeout on
+every call, and the response's JSON (or its error) as it came.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import DflashError
+from .supervisor import describe_exit, die_with_parent
+
+GRACE_SECONDS = 10.0      # a stopping server's time to finish before SIGKILL
+START_SECONDS = 300.0     # loading a model and warming up
+MAX_CRASHES, CRASH_WINDOW = 5, 60.0
+
+Say = Callable[[str], None]
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port(host: str, port: int) -> None:
+    """A one-line error when another process already listens on host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise DflashError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP answer: status and the parsed JSON body (None when it was not JSON), raw text."""
+    status: int
+    body: Any
+    text: str
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    rest = url.split("://", 1)[-1]
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout), "/" + path
+
+
+def request(url: str, body: bytes | None = None, method: str = "POST", headers: Mapping[str, str] | None = None,
+            timeout: float = 120.0) -> Reply:
+    """One request; the reply as it came (no retries)."""
+    conn, path = _connection(url, timeout)
+    try:
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        conn.request(method, path, body=body, headers=hdrs)
+        r = conn.getresponse()
+        text = r.read().decode("utf-8", errors="replace")
+    finally:
+        conn.close()
+    try:
+        parsed = json.loads(text) if text else None
+    except ValueError:
+        parsed = None
+    return Reply(r.status, parsed, text)
+
+
+def post(url: str, payload: Any, headers: Mapping[str, str] | None = None, timeout: float = 120.0) -> Reply:
+    return request(url, json.dumps(payload).encode(), "POST", headers, timeout)
+
+
+def stream(url: str, payload: Any, headers: Mapping[str, str] | None = None,
+           timeout: float = 120.0) -> Iterator[tuple[float, Any]]:
+    """A streamed request: (seconds since sent, parsed event) per server-sent event until [DONE].
+    A non-200 answer raises DflashError with its status and body."""
+    conn, path = _connection(url, timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", path, body=json.dumps({**payload, "stream": True}).encode(),
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise DflashError(f"HTTP {r.status}: {r.read().decode('utf-8', errors='replace')[:300]}")
+        for raw in r:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield time.perf_counter() - t0, json.loads(data)
+    finally:
+        conn.close()
+
+
+class Server:
+    """One llama-server child: `start()` returns once /health answers 200 (or raises DflashError
+    with the reason and the server's last log line); `stop()` ends it. Its stdout and stderr are
+    relayed to `log_line` line by line from a thread."""
+
+    def __init__(self, argv: Sequence[str], host: str, port: int, env: Mapping[str, str] | None = None,
+                 log_line: Say = _quiet, api_key: str | None = None):
+        self.argv, self.host, self.port = list(argv), host, port
+        self.env = dict(os.environ if env is None else env)
+        self.log_line, self.api_key = log_line, api_key
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.last_lines: list[str] = []
+        self._relay: threading.Thread | None = None
+        self._key_dir: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _argv(self) -> list[str]:
+        if not self.api_key:
+            return self.argv
+        if self._key_dir is None:  # the key travels in a private file, not on the command line
+            self._key_dir = tempfile.mkdtemp(prefix="dflash-serve-")
+            key_file = Path(self._key_dir) / "api-key"
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.api_key + "\n")
+        return [*self.argv, "--api-key-file", str(Path(self._key_dir) / "api-key")]
+
+    def start(self, timeout: float = START_SECONDS) -> None:
+        self.last_lines = []
+        self.proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent)
+        self._relay = threading.Thread(target=self._pump, args=(self.proc,), daemon=True, name="llama-server-log")
+        self._relay.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._relay.join(2.0)
+                raise DflashError(f"llama-server {describe_exit(self.proc.returncode)} while starting"
+                                  + (f": {self.last_line()}" if self.last_line() else ""))
+            try:
+                if request(self.url + "/health", method="GET", timeout=2.0).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise DflashError(f"llama-server did not answer /health within {timeout:g} s")
+
+    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.last_lines = (self.last_lines + [line])[-20:]
+            self.log_line(line)
+
+    def last_line(self) -> str:
+        for line in reversed(self.last_lines):
+            if line.strip():
+                return line.strip()
+        return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit status once it ended (negative: a signal), None while it runs after `timeout`."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace: float = GRACE_SECONDS) -> int | None:
+        """SIGTERM, then SIGKILL after `grace` seconds; the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._relay is not None:
+            self._relay.join(2.0)
+        return self.proc.returncode
+
+    def close(self) -> None:
+        self.stop()
+        if self._key_dir is not None:
+            for p in Path(self._key_dir).iterdir():
+                p.unlink()
+            os.rmdir(self._key_dir)
+            self._key_dir = None
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_forever(server: Server, stop: threading.Event, note: Say, on_ready: Callable[[int], None]) -> int:
+    """Run `server` until `stop` is set (then stop it: exit 0); restart it whenever it dies on its
+    own, saying how; give up (exit 1) after MAX_CRASHES crashes within CRASH_WINDOW seconds or a
+    restart that fails. `on_ready(n)` runs after start n (0 = the first)."""
+    crashes: list[float] = []
+    starts = 0
+    try:
+        while True:
+            server.start()
+            on_ready(starts)
+            starts += 1
+            while not stop.is_set():
+                status = server.wait(0.2)
+                if status is not None:
+                    break
+            if stop.is_set():
+                status = server.stop()
+                note(f"llama-server stopped ({describe_exit(status if status is not None else 0)})")
+                return 0
+            now = time.monotonic()
+            crashes = [t for t in crashes if now - t < CRASH_WINDOW] + [now]
+            last = server.last_line()
+            assert status is not None
+            note(f"llama-server {describe_exit(status)}" + (f" ({last})" if last else "")
+                 + f"; requests in flight failed; restart {len(crashes)} of at most {MAX_CRASHES} a minute")
+            if len(crashes) >= MAX_CRASHES:
+                raise DflashError(f"llama-server crashed {len(crashes)} times within {CRASH_WINDOW:g} s; giving up")
+    finally:
+        server.close()

@@ -1,0 +1,295 @@
+"""`dflash serve` and `dflash qualify --serve` against real llama-server processes (loopback only,
+one server at a time, every request loop bounded): exactness under concurrency and cache hits with
+the stock build as the twin that must differ, the official openai client, and the faults a server
+must survive."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash import build, server
+from dflash import serve_workload as wl
+
+from .conftest import CLEAN_ENV, ROOT, run_dflash
+
+THREADS = ["--threads", "2"]
+START_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers_built():
+    for flavor in ("exact", "stock"):
+        if not build.is_built(flavor, server=True):
+            run_dflash("build", "--server", "--lib", flavor, check=True)
+
+
+@pytest.fixture(scope="module")
+def qualified():
+    """`dflash qualify --serve` of the built-in tiny model: --parallel 1 and 4."""
+    r = run_dflash("qualify", "--serve", "--parallel", "4", "--max-tokens", "12", "--prefix-words", "200",
+                   *THREADS, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+class Serve:
+    """`dflash serve ... --json` as a user runs it; the first stdout line is its JSON."""
+
+    def __init__(self, *args, env=None):
+        self.port = server.free_port()
+        full_env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash", "serve", "--port", str(self.port), *THREADS,
+                                      "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=full_env, cwd=ROOT)
+        self.err: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        line = self._line(START_TIMEOUT)
+        assert line, f"dflash serve printed nothing; rc={self.proc.poll()} stderr: {''.join(self.err[-20:])}"
+        self.info = json.loads(line)
+        self.url = self.info["url"]
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def _line(self, timeout):
+        out = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        return out[0] if out else ""
+
+    def post(self, path, payload, **kw):
+        return server.post(self.url + path, payload, **kw)
+
+    def llama_server_pid(self):
+        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        assert len(kids) == 1, kids
+        return int(kids[0])
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture(scope="module")
+def serving(qualified):
+    s = Serve()
+    yield s
+    assert s.stop() == 0, "".join(s.err[-20:])
+
+
+def completion(prompt, max_tokens=8, **kw):
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, **kw}
+
+
+# ---- exactness ---------------------------------------------------------------------------------
+
+def test_qualify_serve_tiny_is_exact_under_concurrency_and_cache_hits(qualified):
+    assert qualified["exact"] is True
+    by = {c["config"]["parallel"]: c for c in qualified["configs"]}
+    assert set(by) == {1, 4}
+    for c in by.values():
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] >= 10
+        assert all(v["why"] == "" for v in c["verdicts"])
+    assert by[4]["cache_hits"] >= 3  # wave 1 really hit the prompt cache
+    assert {v["stream"] for v in by[4]["verdicts"]} == {True, False}
+    assert qualified["system_fingerprint"].startswith("dflash-exact-")
+    v = run_dflash("verify", qualified["evidence_dir"], "--manifest-sha256", qualified["manifest_sha256"])
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert Path(qualified["record"]).is_file()
+
+
+def test_qualify_serve_stock_twin_differs():
+    """The stock build under the same workload and configuration: not identical (exit 4)."""
+    r = run_dflash("qualify", "--serve", "--lib", "stock", "--parallel", "4", "--max-tokens", "12",
+                   "--prefix-words", "200", *THREADS, "--json")
+    assert r.returncode == 4, r.stderr
+    out = json.loads(r.stdout)
+    assert out["exact"] is False and out["system_fingerprint"].startswith("dflash-stock-")
+    four = next(c for c in out["configs"] if c["config"]["parallel"] == 4)
+    assert four["identical_to_prefill"] < four["responses"]
+    assert any("differ" in v["why"] for v in four["verdicts"])
+
+
+def test_serve_runs_the_vouched_configuration(serving, qualified):
+    assert serving.info["vouched"] is True and serving.info["config"]["parallel"] == 4
+    assert serving.info["record"] == qualified["record"]
+    assert serving.info["system_fingerprint"] == qualified["system_fingerprint"]
+
+
+def test_response_matches_dflash_prefill_bit_for_bit(serving):
+    prompt = "The band scheduler keeps every compressor emission at the end of its band."
+    r = serving.post("/v1/completions", completion(prompt, 10))
+    assert r.status == 200, r.text
+    p = json.loads(run_dflash("prefill", "--prompt", prompt, "--logits", "last", "--n-predict", "10", "--no-bands",
+                              *THREADS, "--json", check=True).stdout)
+    fp = r.body["dflash"]
+    assert fp["prompt_sha256"] == p["prompt_sha256"]
+    assert fp["logits_sha256"] == p["logits_sha256"]
+    assert fp["response_tokens"] == p["response_tokens"]
+    assert fp["response_tokens_sha256"] == p["response_tokens_sha256"]
+    assert r.body["system_fingerprint"] == serving.info["system_fingerprint"]
+
+
+# ---- the official openai client --------------------------------------------------------------
+
+def test_openai_client_completions_chat_and_streaming(serving):
+    import openai
+    client = openai.OpenAI(base_url=serving.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    c = client.completions.create(model=model, prompt="one two three", max_tokens=6, temperature=0)
+    assert c.system_fingerprint == serving.info["system_fingerprint"] and c.usage.completion_tokens >= 1
+    parts = list(client.completions.create(model=model, prompt="one two three", max_tokens=6, temperature=0,
+                                           stream=True))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == c.choices[0].text
+    assert c.model_extra["dflash"]["response_tokens_sha256"] == parts[-1].model_extra["dflash"][
+        "response_tokens_sha256"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+
+
+def test_openai_chat_with_a_template():
+    """Chat on a model with a chat template (the tiny model has none: llama-server's chatml)."""
+    import openai
+    s = Serve("--parallel", "1", "--", "--chat-template", "chatml")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "system", "content": "band width token"}, {"role": "user", "content": "cache slot"}]
+        a = client.chat.completions.create(model="x" if False else client.models.list().data[0].id, messages=msgs,
+                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        b = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs, max_tokens=6,
+                                                temperature=0, stream=True))
+        assert a.choices[0].message.role == "assistant" and a.choices[0].logprobs.content
+        assert "".join(p.choices[0].delta.content or "" for p in b if p.choices) == a.choices[0].message.content
+        assert a.model_extra["dflash"]["response_tokens"] == b[-1].model_extra["dflash"]["response_tokens"]
+    finally:
+        assert s.stop() == 0
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+LEAKS = ("json.exception", "std::", "terminate", "what()", "Traceback", "parse_error", "type_error")
+
+
+def _clean_error(r, status):
+    assert r.status == status, (r.status, r.text)
+    assert isinstance(r.body, dict) and "error" in r.body, r.text
+    assert not any(x in r.text for x in LEAKS), r.text
+
+
+def test_bad_requests_get_4xx_json_and_the_server_goes_on(serving):
+    url = serving.url
+    _clean_error(server.request(url + "/v1/completions", b"{not json"), 400)
+    _clean_error(server.request(url + "/v1/chat/completions", b'{"messages": [}'), 400)
+    _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": "many"}), 400)
+    _clean_error(serving.post("/v1/completions", {"prompt": 12.5, "max_tokens": 2}), 400)
+    _clean_error(serving.post("/v1/chat/completions", {"messages": "hello", "max_tokens": 2}), 400)
+    _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": -5}), 400)
+    _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": 10**12}), 400)
+    _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "model": "gpt-nothing"}), 404)
+    _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "model": 7}), 400)
+    _clean_error(serving.post("/v1/completions", {"prompt": wl.words(6000, 3), "max_tokens": 2}), 400)  # > ctx
+    _clean_error(server.request(url + "/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}'), 413)
+    zero = serving.post("/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert zero.status == 200 and zero.body["dflash"]["response_tokens"] == [], zero.text
+    empty = serving.post("/v1/completions", {"prompt": "", "max_tokens": 2})
+    assert empty.status in (200, 400) and not any(x in empty.text for x in LEAKS), empty.text
+    ok = serving.post("/v1/completions", completion("still here", 4))
+    assert ok.status == 200 and ok.body["dflash"]["response_tokens"]
+
+
+def test_more_requests_than_slots_are_queued_and_exact(serving):
+    calls = [wl.Call(f"q{i}", wl.COMPLETIONS, completion(wl.words(20 + 7 * i, 50 + i), 6), stream=i % 2 == 0)
+             for i in range(12)]
+    got = wl.run_wave(serving.url, calls)
+    solo = [wl.send(serving.url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False}) for c in calls]
+    assert [r.status for r in got] == [200] * 12
+    assert all(a.same_as(b) for a, b in zip(got, solo, strict=True))
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_others_exact(serving):
+    body = completion(wl.words(40, 9), 60)
+    conn, path = server._connection(serving.url + "/v1/completions", 30)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()  # one event, then hang up
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    others = [wl.Call(f"o{i}", wl.COMPLETIONS, completion(wl.words(30, 70 + i), 8)) for i in range(3)]
+    got = wl.run_wave(serving.url, others)
+    solo = [wl.send(serving.url, c, extra={"cache_prompt": False}) for c in others]
+    assert all(a.same_as(b) for a, b in zip(got, solo, strict=True))
+
+
+# ---- the process: crash, restart, signals, refusals ------------------------------------------
+
+def test_a_killed_llama_server_is_restarted_and_still_exact():
+    s = Serve("--parallel", "1")
+    try:
+        body = completion(wl.words(60, 11), 8)
+        before = wl.send(s.url, wl.Call("b", wl.COMPLETIONS, body))
+        assert before.status == 200
+        victim = s.llama_server_pid()
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline and not any("restarted" in e for e in s.err):
+            time.sleep(0.2)
+        assert any("killed by SIGKILL" in e for e in s.err), "".join(s.err[-10:])
+        assert any("restarted" in e for e in s.err), "".join(s.err[-10:])
+        assert s.llama_server_pid() != victim
+        after = wl.send(s.url, wl.Call("a", wl.COMPLETIONS, body))
+        assert after.same_as(before)
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_during_requests_stops_cleanly():
+    s = Serve("--parallel", "1")
+    calls = [wl.Call(f"t{i}", wl.COMPLETIONS, completion(wl.words(30, i), 400), stream=True) for i in range(2)]
+    results = []
+    t = threading.Thread(target=lambda: results.extend(wl.run_wave(s.url, calls)), daemon=True)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert s.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 15
+    t.join(30)
+    assert not t.is_alive() and len(results) == 2  # in-flight requests ended (answered or failed), none hang
+    with pytest.raises(OSError):
+        server.request(s.url + "/health", method="GET", timeout=2)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["--host", "10.1.2.3"], "--allow-remote and --api-key"),
+    (["--host", "0.0.0.0", "--allow-remote"], "--api-key"),
+    (["--", "--cache-reuse", "256"], "breaks exactness"),
+    (["--", "-np", "8"], "use --parallel"),
+    (["--parallel", "3"], "no serve record vouches for 3 slots"),
+])
+def test_serve_refuses_before_it_binds(args, word):
+    r = run_dflash("serve", "--port", str(server.free_port()), *args)
+    assert r.returncode == 2, r.stderr
+    assert word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_api_key_is_required_when_set():
+    s = Serve("--parallel", "1", "--api-key", "sesame")
+    try:
+        assert s.post("/v1/completions", completion("x", 2)).status == 401
+        ok = s.post("/v1/completions", completion("x", 2), headers={"Authorization": "Bearer sesame"})
+        assert ok.status == 200
+        assert "sesame" not in " ".join(Path(f"/proc/{s.llama_server_pid()}/cmdline").read_text().split("\0"))
+    finally:
+        assert s.stop() == 0

@@ -1,0 +1,187 @@
+"""The pure parts of serving: llama-server's options, the refusals, the serve record, the workload
+and the comparison of responses (no server runs here; tests/test_serve.py runs real ones)."""
+import json
+
+import pytest
+
+from dflash import build, serve_record, serving
+from dflash import serve_workload as wl
+from dflash.errors import UsageError
+from dflash.serve_check import Prefilled, compare
+
+CFG = serving.ServeConfig(parallel=4, ubatch=512, ctx=1024, threads=2)
+
+
+def test_args_pin_what_keeps_it_exact():
+    a = CFG.args()
+    assert a[a.index("-np") + 1] == "4" and a[a.index("-c") + 1] == str(4 * 1024)
+    assert a[a.index("-b") + 1] == a[a.index("-ub") + 1] == "512"
+    assert a[a.index("-t") + 1] == a[a.index("-tb") + 1] == "2"
+    for flag in ("--swa-full", "--no-kv-unified", "--no-context-shift"):
+        assert flag in a
+    assert a[a.index("--cache-reuse") + 1] == "0" and a[a.index("-fa") + 1] == "auto"
+    assert "--kv-unified" in serving.ServeConfig(1, 1, 64, 1, kv_unified=True).args()
+
+
+@pytest.mark.parametrize("kw, word", [({"parallel": 0}, "parallel"), ({"ubatch": 513}, "ubatch"),
+                                      ({"ctx": 8}, "ctx"), ({"threads": 0}, "threads"),
+                                      ({"flash_attn": "maybe"}, "flash")])
+def test_config_refuses_bad_values(kw, word):
+    with pytest.raises(UsageError, match=word):
+        serving.ServeConfig(**{"parallel": 1, "ubatch": 1, "ctx": 64, "threads": 1, **kw})
+
+
+def test_vouching_ignores_ctx_and_threads_only():
+    base = serving.ServeConfig(4, 64, 1024, 2)
+    assert base.vouched_by(serving.ServeConfig(4, 64, 99999, 7))
+    for other in (serving.ServeConfig(2, 64, 1024, 2), serving.ServeConfig(4, 32, 1024, 2),
+                  serving.ServeConfig(4, 64, 1024, 2, kv_unified=True), serving.ServeConfig(4, 64, 1024, 2, "off")):
+        assert not base.vouched_by(other)
+
+
+@pytest.mark.parametrize("extra, word", [(["-np", "8"], "--parallel"), (["--ubatch-size=32"], "--ubatch"),
+                                         (["--kv-unified"], "pins"), (["--api-key", "k"], "--api-key"),
+                                         (["-m", "x.gguf"], "--model"), (["--port", "1"], "--port")])
+def test_managed_options_are_refused_even_with_allow_inexact(extra, word):
+    with pytest.raises(UsageError, match=word):
+        serving.check_extra(extra, allow_inexact=True)
+
+
+@pytest.mark.parametrize("extra", [["--cache-reuse", "256"], ["--cache-reuse=16"], ["-ctk", "q8_0"],
+                                   ["--lora", "a.gguf"], ["--rope-freq-base", "1e6"], ["-md", "d.gguf"]])
+def test_inexact_options_need_allow_inexact(extra):
+    with pytest.raises(UsageError, match="breaks exactness.*--allow-inexact"):
+        serving.check_extra(extra, allow_inexact=False)
+    warnings = serving.check_extra(extra, allow_inexact=True)
+    assert len(warnings) == 1 and extra[0].split("=")[0] in warnings[0]
+
+
+def test_harmless_options_pass():
+    assert serving.check_extra(["--cache-reuse", "0", "--chat-template", "chatml", "--metrics", "-n", "-1",
+                                "--temp", "-0.5", "--slot-prompt-similarity", "0.1"], allow_inexact=False) == []
+
+
+def test_bind_address_needs_both_remote_flags():
+    assert serving.bind_address("127.0.0.1", False, None) == ("127.0.0.1", None)
+    assert serving.bind_address("127.5.0.1", False, None)[1] is None
+    for allow, key, missing in ((False, None, "--allow-remote and --api-key"), (True, None, "--api-key"),
+                                (False, "k", "--allow-remote")):
+        with pytest.raises(UsageError, match=missing):
+            serving.bind_address("10.1.2.3", allow, key)
+    host, warning = serving.bind_address("10.1.2.3", True, "k")
+    assert host == "10.1.2.3" and "not encrypted" in warning
+    with pytest.raises(UsageError, match="not an IP address"):
+        serving.bind_address("example.org", True, "k")
+
+
+def test_fingerprint_names_flavor_build_and_model():
+    fp = serving.fingerprint("exact", "0123456789abcdef", "ab" * 32)
+    assert fp == "dflash-exact-0123456789abcdef-model-abababababababab"
+
+
+def test_server_build_key_covers_server_patches_and_library_key_does_not():
+    assert build.build_key("exact", server=True) != build.build_key("exact")
+    assert build.build_key("exact", server=True) != build.build_key("stock", server=True)
+    assert "server/patches" in build._SERVER_INPUTS
+
+
+# ---- the serve record ------------------------------------------------------------------------
+
+IDENT = serve_record.Identity("exact", "0123456789abcdef", "cd" * 32, "cpu")
+
+
+def _entry(exact=True, n=10, solo=10, pre=10):
+    return serve_record.Entry(CFG, n, solo, pre, 3, exact, "/ev")
+
+
+def test_record_round_trip_and_merge(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    serve_record.save(IDENT, "/m.gguf", [_entry()])
+    other = serve_record.Entry(serving.ServeConfig(1, 512, 1024, 2), 10, 10, 10, 3, True, "/ev2")
+    rec = serve_record.save(IDENT, "/m.gguf", [other, _entry(exact=False, solo=9)])
+    assert serve_record.load(IDENT) == rec
+    assert [e.config.parallel for e in rec.configs] == [1, 4] and not rec.configs[1].exact
+    assert serve_record.find(rec, serving.ServeConfig(4, 512, 4096, 8)) is None  # the failed entry replaced it
+    assert serve_record.find(rec, serving.ServeConfig(1, 512, 4096, 8)) == other
+
+
+@pytest.mark.parametrize("mutate, word", [
+    (lambda d: d.update(key="0" * 24), "key does not match"),
+    (lambda d: d["configs"][0].update(identical_to_solo=9), "marked exact"),
+    (lambda d: d["configs"][0].update(responses=-1), "not a count"),
+    (lambda d: d["configs"][0]["config"].update(parallel=0), "parallel"),
+    (lambda d: d["configs"][0]["config"].update(ubatch="512"), "wrong types"),
+    (lambda d: d.update(extra=1), "unknown"),
+    (lambda d: d.update(schema="dflash.qualification"), "not a dflash.serve-qualification"),
+])
+def test_record_reader_is_strict(mutate, word):
+    d = serve_record.Record(IDENT, "/m.gguf", "2026-01-01T00:00:00Z", (_entry(),)).to_json()
+    serve_record.parse(json.dumps(d).encode())  # the unmodified record reads
+    mutate(d)
+    with pytest.raises(serve_record.RecordError, match=word):
+        serve_record.parse(json.dumps(d).encode())
+
+
+def test_corrupt_record_is_an_error_for_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = serve_record.record_path(IDENT)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"{not json")
+    with pytest.raises(serve_record.RecordError, match="not valid JSON"):
+        serve_record.load(IDENT)
+    assert serve_record.save(IDENT, "/m", [_entry()]).configs == (_entry(),)  # a new run replaces it
+
+
+# ---- the workload and the comparison -----------------------------------------------------------
+
+def test_workload_waves_share_a_prefix_and_hit_the_cache():
+    shape = wl.Shape(prefix_words=50, max_tokens=4, chat=True)
+    w0 = wl.first_wave(shape)
+    assert wl.words(50, 1) == wl.words(50, 1) != wl.words(50, 2)
+    shared = [c for c in w0 if c.name.startswith("w0-shared")]
+    assert len(shared) == 4 and all(c.body["prompt"].startswith(wl.words(50, 1)) for c in shared)
+    assert {c.stream for c in w0} == {True, False} and {c.endpoint for c in w0} == {wl.COMPLETIONS, wl.CHAT}
+    assert len({c.delay for c in w0}) > 3  # arrivals spread out
+    replies = {c.name: wl.Response(c.name, 200, text=f"reply of {c.name}") for c in w0}
+    w1 = wl.second_wave(shape, w0, replies)
+    by = {c.name: c for c in w1}
+    assert by["w1-repeat-0"].key() == next(c for c in w0 if c.name == "w0-shared-0").key()
+    assert by["w1-repeat-0"].stream != next(c for c in w0 if c.name == "w0-shared-0").stream
+    turn2 = by["w1-chat-turn2-0"].body["messages"]
+    assert turn2[2] == {"role": "assistant", "content": "reply of w0-chat-0"} and turn2[3]["role"] == "user"
+    assert all(c.wave == 1 for c in w1) and all(c.body["temperature"] == 0 for c in w0 + w1)
+    assert not any(c.endpoint == wl.CHAT for c in wl.first_wave(wl.Shape(chat=False)))
+
+
+def _resp(name, tokens=(5, 6), lp=-0.5, logits="a" * 64, prompt="b" * 64, cached=0):
+    return wl.Response(name, 200, tuple(tokens), tuple((t, lp, ((t, lp),)) for t in tokens), "x", logits, prompt,
+                       "c" * 64, "fp", 10, cached)
+
+
+def test_compare_finds_every_kind_of_difference():
+    calls = [wl.Call(f"c{i}", wl.COMPLETIONS, {"prompt": f"p{i}", "max_tokens": 2}) for i in range(6)]
+    solo = {c.key(): _resp(c.name) for c in calls}
+    pre = {c.key(): Prefilled("b" * 64, "a" * 64, (5, 6)) for c in calls}
+    got = [_resp("c0", cached=7), _resp("c1", tokens=(5, 7)), _resp("c2", lp=-0.25), _resp("c3", logits="d" * 64),
+           wl.Response("c4", 500, error="boom"), _resp("c5", prompt="e" * 64)]
+    v = compare(calls, got, solo, pre)
+    assert (v[0].solo, v[0].prefill, v[0].cached_tokens, v[0].why) == (True, True, 7, "")
+    assert not v[1].solo and not v[1].prefill and "token ids differ from the solo" in v[1].why
+    assert not v[2].solo and v[2].prefill and v[2].why == "logprobs differ from the solo cold run"
+    assert not v[3].solo and not v[3].prefill and "last-position logits differ from dflash prefill" in v[3].why
+    assert not v[4].solo and not v[4].prefill and "HTTP 500" in v[4].why
+    assert not v[5].solo and "prompt tokens differ from dflash prefill" in v[5].why
+
+
+def test_response_parts_from_a_stream_and_a_body():
+    call = wl.Call("s", wl.CHAT, {"messages": []}, stream=True)
+    fp = {"response_tokens": [1, 2], "logits_sha256": "l", "prompt_sha256": "p", "response_tokens_sha256": "r"}
+    chunks = [{"choices": [{"delta": {"content": "he"}, "logprobs": {"content": [
+        {"id": 1, "logprob": -0.1, "top_logprobs": [{"id": 1, "logprob": -0.1}]}]}}]},
+        {"choices": [{"delta": {"content": "llo"}, "logprobs": {"content": [{"id": 2, "logprob": -0.2}]},
+                      "finish_reason": "length"}], "dflash": fp, "system_fingerprint": "dflash-x",
+         "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}}]
+    r = wl._from_parts(call, 200, chunks, 1.0, 0.2)
+    assert (r.text, r.tokens, r.cached_tokens, r.prompt_tokens, r.finish_reason) == ("hello", (1, 2), 4, 9, "length")
+    assert r.logprobs == ((1, -0.1, ((1, -0.1),)), (2, -0.2, ()))
+    assert wl._from_parts(call, 200, chunks[:1], 1.0, None).error  # no fingerprints: an error, never a pass

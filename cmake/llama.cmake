@@ -9,9 +9,6 @@
 #        comparison (`--lib stock`).
 # Both build ggml's RPC backend (GGML_RPC, libggml-rpc.so): `dflash rpc-server` serves a build's
 # devices and `--rpc HOST:PORT` uses remote ones (rpc/patches applies to both flavors).
-# DFLASH_LLAMA_SERVER=ON builds llama.cpp's own `llama-server` instead of the shared libraries:
-# the same source, patch set and options, linked statically (one self-contained binary per flavor),
-# with the project's server patches (server/patches) on top; installed as bin/llama-server.
 include(ExternalProject)
 
 if(NOT EXISTS "${DFLASH_LLAMA_SRC}/CMakeLists.txt")
@@ -25,9 +22,13 @@ set(_llama_args
   -DCMAKE_BUILD_TYPE=Release
   -DCMAKE_INSTALL_PREFIX=${DFLASH_LLAMA_PREFIX}
   -DCMAKE_INSTALL_LIBDIR=lib
+  -DBUILD_SHARED_LIBS=ON
   -DLLAMA_BUILD_TESTS=OFF
+  -DLLAMA_BUILD_TOOLS=OFF
   -DLLAMA_BUILD_EXAMPLES=OFF
+  -DLLAMA_BUILD_SERVER=OFF
   -DLLAMA_BUILD_APP=OFF
+  -DLLAMA_BUILD_COMMON=OFF
   -DLLAMA_BUILD_UI=OFF
   -DLLAMA_USE_PREBUILT_UI=OFF
   -DLLAMA_BUILD_MTMD=OFF
@@ -38,21 +39,6 @@ set(_llama_args
 )
 set(_llama_patch ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR> -DFLAVOR=${DFLASH_LLAMA_FLAVOR}
     -DREPO=${CMAKE_CURRENT_SOURCE_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/cmake/apply_patches.cmake)
-set(_llama_steps "")
-if(DFLASH_LLAMA_SERVER)
-  # common + tools, of which only the server target is built (the web UI stays off: LLAMA_BUILD_UI)
-  list(APPEND _llama_args -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON
-       -DLLAMA_BUILD_SERVER=ON)
-  list(APPEND _llama_patch COMMAND ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR> -DREPO=${CMAKE_CURRENT_SOURCE_DIR}
-       -P ${CMAKE_CURRENT_SOURCE_DIR}/server/apply_patches.cmake)
-  set(_llama_steps
-    BUILD_COMMAND ${CMAKE_COMMAND} --build <BINARY_DIR> --target llama-server
-    INSTALL_COMMAND ${CMAKE_COMMAND} -E make_directory ${DFLASH_LLAMA_PREFIX}/bin
-            COMMAND ${CMAKE_COMMAND} -E copy <BINARY_DIR>/bin/llama-server ${DFLASH_LLAMA_PREFIX}/bin/)
-else()
-  list(APPEND _llama_args -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TOOLS=OFF
-       -DLLAMA_BUILD_SERVER=OFF)
-endif()
 if(DFLASH_GPU STREQUAL "hip")
   # ROCm's clang must be the HIP compiler; CMAKE_HIP_PLATFORM=amd keeps nvcc on PATH from winning.
   # GPU_TARGETS is a list: pass it with '|' as the separator ExternalProject turns back into ';'.
@@ -84,5 +70,4 @@ ExternalProject_Add(llama_cpp
   PATCH_COMMAND ${_llama_patch}
   BUILD_ALWAYS OFF
   INSTALL_DIR ${DFLASH_LLAMA_PREFIX}
-  ${_llama_steps}
 )

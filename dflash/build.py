@@ -7,8 +7,10 @@ installed under ~/.cache/dflash/llama/<flavor>-<key>/ where the key hashes every
 build: the pinned version, the flavor and GPU backend, the CMake files, the compiler and the
 host CPU's feature flags (the build is native).
 
-`build_server` builds llama.cpp's own llama-server the same way (same source, patch set and
-options, linked statically, plus server/patches) into ~/.cache/dflash/llama-server/<flavor>-<key>/.
+`build_server` builds llama.cpp's own llama-server (server/CMakeLists.txt): the same pinned
+source with the exact patch set and the server patches, linked against the exact library's
+installed ggml; only the server's own code is compiled. It is cached under
+~/.cache/dflash/llama-server/<key>/ and runs against any flavor's library folder (`server_env`).
 """
 from __future__ import annotations
 
@@ -31,12 +33,15 @@ from .paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROO
 
 __all__ = ["FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
            "build_hip_compile_only", "build_key", "build_library", "build_server", "cache_root", "hip_compile_key",
-           "hip_headers", "install_dir", "is_built", "library_dir", "server_binary", "source_dir"]
+           "hip_headers", "install_dir", "is_built", "library_dir", "server_binary", "server_built", "server_env",
+           "server_key", "source_dir"]
 
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact", "rpc/patches"),
                "stock": ("cpu_kernels/patches/common", "rpc/patches")}  # the patch set each flavor applies
-_SERVER_INPUTS = ("server/apply_patches.cmake", "server/patches")  # what a server build reads beyond a library's
+# what the llama-server build reads beyond the exact library it links against
+_SERVER_INPUTS = ("server/CMakeLists.txt", "server/install_server.cmake", "server/apply_patches.cmake",
+                  "server/patches", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
 
 Log = Callable[[str], None]
 
@@ -58,25 +63,55 @@ def _host_fingerprint() -> str:
     return f"{platform.machine()}|{flags}|{cc.splitlines()[0] if cc else ''}"
 
 
-def build_key(flavor: str, gpu: str = "none", server: bool = False) -> str:
+def build_key(flavor: str, gpu: str = "none") -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}|{flavor}|{gpu}|".encode())
-    if server:
-        h.update(b"llama-server|")
     if not (REPO_ROOT / "CMakeLists.txt").is_file():
         raise DflashError(f"dflash builds llama.cpp from its source checkout, and {REPO_ROOT} is not one: "
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    for d in (_PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu in ("hip", "cuda") else ())
-              + (_SERVER_INPUTS if server else ())):
-        for p in sorted((REPO_ROOT / d).rglob("*")) if (REPO_ROOT / d).is_dir() else [REPO_ROOT / d]:
-            if p.is_file():
-                h.update(str(p.relative_to(REPO_ROOT)).encode() + b"\0" + p.read_bytes())
+    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu in ("hip", "cuda") else ()))
     h.update(_host_fingerprint().encode())
     if gpu == "cuda":  # the CUDA build: its architectures and its compiler
         h.update(f"|{cuda_architectures()}|{_nvcc_version()}".encode())
     return h.hexdigest()[:16]
+
+
+def _hash_files(h: hashlib._Hash, rels: tuple[str, ...]) -> None:
+    """Names and bytes of files and of every file under folders, relative to the checkout."""
+    for rel in rels:
+        p = REPO_ROOT / rel
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes())
+
+
+def server_key() -> str:
+    """The llama-server build's key: its inputs and the exact library it links against (built
+    natively, so the host's CPU and compiler are in that library's key)."""
+    h = hashlib.sha256(f"llama-server|{build_key('exact')}|".encode())
+    _hash_files(h, _SERVER_INPUTS)
+    return h.hexdigest()[:16]
+
+
+def server_dir() -> Path:
+    return cache_root() / "llama-server" / server_key()
+
+
+def server_binary() -> Path:
+    return server_dir() / "bin" / "llama-server"
+
+
+def server_built() -> bool:
+    return server_binary().is_file()
+
+
+def server_env(flavor: str, gpu: str = "none", lib_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """The environment entries that make llama-server load `flavor`'s library (or the folder
+    `lib_dir`): its folder first on LD_LIBRARY_PATH, then the server's own libraries."""
+    first = Path(lib_dir) if lib_dir else library_dir(flavor, gpu)
+    return {"LD_LIBRARY_PATH": f"{first}:{server_dir() / 'lib'}"}
 
 
 def cuda_architectures() -> str:
@@ -96,27 +131,18 @@ def _nvcc_version() -> str:
     return (r.stdout.strip().splitlines() or ["?"])[-1]
 
 
-def install_dir(flavor: str, gpu: str = "none", server: bool = False) -> Path:
+def install_dir(flavor: str, gpu: str = "none") -> Path:
     if flavor not in FLAVORS:
         raise DflashError(f"unknown llama.cpp library flavor {flavor!r} (use one of {', '.join(FLAVORS)})")
-    return cache_root() / ("llama-server" if server else "llama") / f"{flavor}-{build_key(flavor, gpu, server)}"
+    return cache_root() / "llama" / f"{flavor}-{build_key(flavor, gpu)}"
 
 
 def library_dir(flavor: str, gpu: str = "none") -> Path:
     return install_dir(flavor, gpu) / "lib"
 
 
-def server_binary(flavor: str, gpu: str = "none") -> Path:
-    """Where `build_server` puts llama-server for this flavor and GPU backend."""
-    return install_dir(flavor, gpu, server=True) / "bin" / "llama-server"
-
-
-def _product(flavor: str, gpu: str, server: bool) -> Path:
-    return server_binary(flavor, gpu) if server else library_dir(flavor, gpu) / "libllama.so"
-
-
-def is_built(flavor: str, gpu: str = "none", server: bool = False) -> bool:
-    return _product(flavor, gpu, server).is_file()
+def is_built(flavor: str, gpu: str = "none") -> bool:
+    return (library_dir(flavor, gpu) / "libllama.so").is_file()
 
 
 def sdist_path(log: Log = lambda s: None) -> Path:
@@ -167,30 +193,17 @@ def source_dir(log: Log = lambda s: None) -> Path:
 def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
                   log: Log = lambda s: None) -> Path:
     """Configure and build llama.cpp for `flavor` unless the keyed install already exists."""
-    _build(flavor, gpu, False, jobs, log)
-    return library_dir(flavor, gpu)
-
-
-def build_server(flavor: str, gpu: str = "none", jobs: int | None = None, log: Log = lambda s: None) -> Path:
-    """Build llama.cpp's llama-server for `flavor` (static; the flavor's patch set plus server/patches)
-    unless the keyed install already exists; returns the binary."""
-    _build(flavor, gpu, True, jobs, log)
-    return server_binary(flavor, gpu)
-
-
-def _build(flavor: str, gpu: str, server: bool, jobs: int | None, log: Log) -> None:
-    what = "llama-server" if server else "llama.cpp"
-    if is_built(flavor, gpu, server):
-        return
+    if is_built(flavor, gpu):
+        return library_dir(flavor, gpu)
     if shutil.which("cmake") is None:
         raise DflashError("cmake is not installed (apt-get install cmake)")
     if gpu == "cuda" and _nvcc() is None:
         raise DflashError("the CUDA build needs nvcc (install the CUDA toolkit, or put its bin/ on PATH)")
     from .stage import stage
-    stage(f"build of the {flavor} {what}" + ("" if server else " library"))
+    stage(f"build of the {flavor} llama.cpp library")
     src = source_dir(log)
-    dest = install_dir(flavor, gpu, server)
-    work = Path(tempfile.mkdtemp(prefix=f"build-{'server-' if server else ''}{flavor}-", dir=cache_root()))
+    dest = install_dir(flavor, gpu)
+    work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-", dir=cache_root()))
     staging = work / "install"
     # every build patches its source (cpu_kernels/patches, and hip_kernels for HIP): give it a
     # private copy, never the shared tree
@@ -199,26 +212,60 @@ def _build(flavor: str, gpu: str, server: bool, jobs: int | None, log: Log) -> N
     configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"),
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",
-                 "-DDFLASH_BUILD_KERNELS=OFF", f"-DDFLASH_LLAMA_SERVER={'ON' if server else 'OFF'}"]
+                 "-DDFLASH_BUILD_KERNELS=OFF"]
     if gpu == "cuda":
         configure += [f"-DCUDA_ARCHITECTURES={cuda_architectures()}"]
     env = {**os.environ, **({"CUDACXX": str(_nvcc())} if gpu == "cuda" else {})}  # how CMake finds nvcc
+    hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
+            "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
+
+    def cuda_hint(log_text: str) -> str:
+        if gpu == "cuda" and "CUDA::cublas" in log_text:
+            return "; the CUDA toolkit here has no cuBLAS, which ggml's CUDA backend links (install libcublas)"
+        return hint
+    log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
+    _cmake_install(work, configure, "lib/libllama.so", dest, f"llama.cpp {flavor}", jobs, log, env, cuda_hint)
+    return library_dir(flavor, gpu)
+
+
+def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
+    """Build llama-server (server/CMakeLists.txt) unless the keyed install exists; builds the exact
+    library it links against first when that is missing. Returns the binary."""
+    if server_built():
+        return server_binary()
+    lib = build_library("exact", jobs=jobs, log=log)
+    if shutil.which("cmake") is None:
+        raise DflashError("cmake is not installed (apt-get install cmake)")
+    from .stage import stage
+    stage("build of llama-server")
+    dest = server_dir()
+    work = Path(tempfile.mkdtemp(prefix="build-server-", dir=cache_root()))
+    src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
+                               ignore=shutil.ignore_patterns(".git")))
+    configure = ["cmake", "-S", str(REPO_ROOT / "server"), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
+                 f"-DDFLASH_LLAMA_LIB={lib.parent}", f"-DDFLASH_SERVER_PREFIX={work / 'install'}"]
+    log(f"building llama-server ({LLAMA_CPP_COMMIT}, against {lib.parent.name}) -> {dest} (several minutes, once)")
+    _cmake_install(work, configure, "bin/llama-server", dest, "llama-server", jobs, log, dict(os.environ),
+                   lambda text: "")
+    return server_binary()
+
+
+def _cmake_install(work: Path, configure: list[str], product: str, dest: Path, what: str, jobs: int | None,
+                   log: Log, env: Mapping[str, str], hint: Callable[[str], str]) -> None:
+    """Configure and build in `work` (its install folder: work/install), then move the install to
+    `dest` in one rename; a failed build keeps its log at <cache>/build-<what>-failed.log."""
+    staging = work / "install"
     build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
-    log(f"building {what} ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
     try:
         for cmd in (configure, build):
             rc = _run_logged(cmd, work / "build.log", log, progress=what if cmd is build else None, env=env)
             if rc != 0:
-                keep = cache_root() / f"build-{'server-' if server else ''}{flavor}-failed.log"
+                keep = cache_root() / f"build-{what.replace(' ', '-')}-failed.log"
                 shutil.copyfile(work / "build.log", keep)
-                hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
-                        "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
-                if gpu == "cuda" and "CUDA::cublas" in (work / "build.log").read_text(errors="replace"):
-                    hint = "; the CUDA toolkit here has no cuBLAS, which ggml's CUDA backend links (install libcublas)"
-                raise DflashError(f"{what} {flavor} build failed (rc={rc}){hint}; log: {keep}")
-        product = staging / ("bin/llama-server" if server else "lib/libllama.so")
-        if not product.is_file():
-            raise DflashError(f"{what} {flavor} build produced no {product.name}")
+                why = hint((work / "build.log").read_text(errors="replace"))
+                raise DflashError(f"{what} build failed (rc={rc}){why}; log: {keep}")
+        if not (staging / product).is_file():
+            raise DflashError(f"{what} build produced no {Path(product).name}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():
             shutil.rmtree(dest)

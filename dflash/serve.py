@@ -27,6 +27,7 @@ from .session import Session
 from .settings import AUTO, FIXED, Settings
 
 Say = Callable[[str], None]
+MAX_BODY_BYTES = 16 << 20  # the largest request body llama-server accepts from dflash serve (413 above)
 
 __all__ = ["ServeTarget", "choose_config", "qualify", "target"]
 
@@ -47,7 +48,7 @@ class ServeTarget:
 
     @property
     def identity(self) -> serve_record.Identity:
-        return serve_record.Identity(self.check.flavor, self.check.server_key, self.check.model_sha256,
+        return serve_record.Identity(self.check.flavor, self.check.build_id, self.check.model_sha256,
                                      self.check.device)
 
     @property
@@ -59,30 +60,33 @@ class ServeTarget:
         """A llama-server for `config` (not started: use it as a context manager, or start())."""
         port = server.free_port(host) if port is None else port
         return server.Server(self.check.argv(config, host, port), host, port, env=self.env, log_line=log_line,
-                             api_key=api_key)
+                             api_key=api_key, lib_dir=self.check.lib_dir)
 
 
 def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHTS, lib: str = "exact",
            device: str = "cpu", extra: Sequence[str] = (), settings: Settings | None = None,
            build_missing: bool = False, log: Say = _quiet) -> ServeTarget:
-    """What `dflash serve` runs: the flavor's llama-server (built with build_missing, else
-    LibraryNotBuilt), the model (the built-in tiny one when None) and its SHA-256."""
+    """What `dflash serve` runs: llama-server (built with build_missing, else LibraryNotBuilt) on
+    the flavor's library, the model (the built-in tiny one when None) and its SHA-256."""
     if device != "cpu":
         raise UsageError(f"{arg('device')} {device!r}: dflash serve runs on the CPU for now (the HIP and CUDA "
                          f"servers build with `dflash build --server --gpu hip|cuda`, but are not wired up)")
     s = settings or Settings.from_env({}, lib=lib)
-    if not build_missing and not build.is_built(lib, server=True):
-        raise LibraryNotBuilt(f"llama-server ({lib}) is not built yet: run `dflash build --server --lib {lib}` "
-                              f"(a few minutes, once), or pass build_missing=True")
-    binary = build.build_server(lib, log=log)
+    if not build_missing and not build.server_built():
+        raise LibraryNotBuilt("llama-server is not built yet: run `dflash build --server` (several minutes, once), "
+                              "or pass build_missing=True")
+    lib_dir = engine.library_dir(s, log, build_missing=build_missing)
+    binary = build.build_server(log=log)
     if model is None and tiny_model.needs_quantizer(weights):
         engine.load_library(s, log, build_missing=build_missing)  # its quantizer writes the preset
     path = engine.resolve_model(model, weights)
     if model is not None:
         proofs.model_file(model, weights)  # a readable GGUF, or a one-line error
-    check = Target(str(binary), str(path), lib, build.build_key(lib, server=True), file_sha256(str(path)), device,
-                   tuple(extra))
-    env = {**os.environ, **s.library_env(), "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint}
+    _, library_key = proofs.library_key(s)
+    check = Target(str(binary), str(lib_dir), str(path), lib, library_key, build.server_key(),
+                   file_sha256(str(path)), device, tuple(extra))
+    env = {**os.environ, **s.library_env(), **build.server_env(lib, lib_dir=lib_dir),
+           "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint, "DFLASH_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
     return ServeTarget(check, s, weights, model, env)
 
 

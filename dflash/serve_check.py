@@ -30,10 +30,13 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Target:
-    """What the servers run: the binary, the model, the threads, and how a server is named."""
+    """What the servers run: the llama-server binary, the flavor's library folder it loads, the
+    model, and the extra llama-server options."""
     binary: str
+    lib_dir: str
     model: str
     flavor: str
+    library_key: str
     server_key: str
     model_sha256: str
     device: str = "cpu"
@@ -41,7 +44,12 @@ class Target:
 
     @property
     def fingerprint(self) -> str:
-        return serving.fingerprint(self.flavor, self.server_key, self.model_sha256)
+        return serving.fingerprint(self.flavor, self.library_key, self.server_key, self.model_sha256)
+
+    @property
+    def build_id(self) -> str:
+        """The library and server builds, as serve records name them."""
+        return f"{self.library_key}+{self.server_key}"
 
     def argv(self, config: serving.ServeConfig, host: str, port: int) -> list[str]:
         return [self.binary, "-m", self.model, "--host", host, "--port", str(port), "--alias", Path(self.model).stem,
@@ -50,7 +58,8 @@ class Target:
     def start(self, config: serving.ServeConfig, env: Mapping[str, str], log_line: Say) -> server.Server:
         """A started llama-server for `config` on a free loopback port."""
         port = server.free_port()
-        s = server.Server(self.argv(config, "127.0.0.1", port), "127.0.0.1", port, env=env, log_line=log_line)
+        s = server.Server(self.argv(config, "127.0.0.1", port), "127.0.0.1", port, env=env, log_line=log_line,
+                          lib_dir=self.lib_dir)
         s.start()
         return s
 
@@ -199,7 +208,8 @@ def qualify_serve(target: Target, configs: Sequence[serving.ServeConfig], shape:
     prefilled = {k: prefill(ids[k], int(distinct[k].body["max_tokens"])) for k in distinct}
     results = tuple(ConfigResult(config, compare(run.calls, run.responses, solo, prefilled)) for config, run in runs)
     with EvidenceWriter(evidence_dir, "serve-qualify") as ev:
-        ev.write_json("target.json", {"binary": target.binary, "model": target.model, "flavor": target.flavor,
+        ev.write_json("target.json", {"binary": target.binary, "lib_dir": target.lib_dir, "model": target.model,
+                                      "flavor": target.flavor, "library_key": target.library_key,
                                       "server_key": target.server_key, "model_sha256": target.model_sha256,
                                       "device": target.device, "extra": list(target.extra),
                                       "system_fingerprint": target.fingerprint, "argv": argv})
@@ -213,7 +223,7 @@ def qualify_serve(target: Target, configs: Sequence[serving.ServeConfig], shape:
                 "responses": [r.to_json() for r in run.responses]})
         ev.write_json("verdicts.json", [c.to_json() for c in results])
         final, manifest = ev.commit()
-    identity = serve_record.Identity(target.flavor, target.server_key, target.model_sha256, target.device)
+    identity = serve_record.Identity(target.flavor, target.build_id, target.model_sha256, target.device)
     record = serve_record.save(identity, target.model, [c.entry(str(final)) for c in results])
     return ServeQualifyResult(target.flavor, target.model, target.fingerprint, results,
                               str(serve_record.record_path(record.identity)), str(final), manifest)

@@ -1,12 +1,13 @@
 """The fixed mixed workload `dflash qualify --serve` and benchmarks/serve.py send to llama-server,
 and what a response is, as dflash compares it.
 
-A workload is a list of `Call`s in waves: in each wave the calls start at their own delays, so
-prompts of different lengths arrive while others decode; up to one client thread per call. Wave 0
-is cold: prompts that share a long prefix, unrelated short and long prompts, streaming and not,
-completions and (with a chat template) chat. Wave 1 hits the prompt cache: repeats of wave-0
-prompts, new prompts on the shared prefix, and the second turn of wave-0 conversations (built from
-the reply wave 0 got). Every call is greedy (temperature 0) and asks for logprobs.
+A workload is a set of clients, one thread each, starting at their own delays so that prompts of
+different lengths arrive while others decode. A client's first call is cold: prompts that share a
+long prefix, unrelated short and long prompts, streaming and not, completions and (with a chat
+template) chat. Its follow-ups (wave 1) go out as soon as its answer arrived and are what a prompt
+cache serves: a repeat, a sibling on the shared prefix, a conversation's second turn (built from
+the reply it got), a new question under the same system prompt. Every call is greedy
+(temperature 0) and asks for logprobs. `run_wave` sends a plain list of calls at their delays.
 """
 from __future__ import annotations
 
@@ -179,68 +180,91 @@ def _chat(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Shape:
-    """The sizes of a workload: shared prefix and suffix lengths (words), tokens per response."""
+    """The sizes of a workload: shared prefix (words), tokens per response, chat or not."""
     prefix_words: int = 300
     max_tokens: int = 16
     chat: bool = False
     seed: int = 1
 
 
-def first_wave(shape: Shape) -> list[Call]:
-    prefix = words(shape.prefix_words, shape.seed)
-    calls = []
-    for i, n in enumerate((6, 40, 15, 70)):  # shared prefix, suffixes of different lengths
-        calls.append(Call(f"w0-shared-{i}", COMPLETIONS, _completion(f"{prefix} {words(n, 100 + i)}", shape.max_tokens),
-                          stream=i % 2 == 1, delay=0.15 * i))
-    calls.append(Call("w0-short", COMPLETIONS, _completion(words(5, 7), shape.max_tokens), delay=0.05))
-    calls.append(Call("w0-long", COMPLETIONS, _completion(words(shape.prefix_words // 2, 8), shape.max_tokens),
-                      stream=True, delay=0.3))
-    if shape.chat:
-        for i in range(2):
-            msgs = [{"role": "system", "content": prefix}, {"role": "user", "content": words(12 + 9 * i, 200 + i)}]
-            calls.append(Call(f"w0-chat-{i}", CHAT, _chat(msgs, shape.max_tokens), stream=i == 1, delay=0.2 + 0.2 * i))
-    return calls
+Next = Callable[[Call, Response], Call]  # a client's next call, made from its previous call and answer
 
 
-def second_wave(shape: Shape, first: Sequence[Call], replies: Mapping[str, Response]) -> list[Call]:
-    """Cache hits: repeats, the shared prefix with new suffixes, second turns of the conversations."""
-    prefix = words(shape.prefix_words, shape.seed)
-    by = {c.name: c for c in first}
-    calls = [replace(by["w0-shared-0"], name="w1-repeat-0", stream=True, delay=0.0, wave=1),
-             replace(by["w0-shared-1"], name="w1-repeat-1", stream=False, delay=0.1, wave=1),
-             replace(by["w0-short"], name="w1-repeat-short", delay=0.05, wave=1)]
-    for i, n in enumerate((25, 3)):
-        calls.append(Call(f"w1-shared-new-{i}", COMPLETIONS, _completion(f"{prefix} {words(n, 300 + i)}",
-                                                                          shape.max_tokens),
-                          stream=i == 0, delay=0.2 + 0.1 * i, wave=1))
+@dataclass(frozen=True)
+class Client:
+    """One client: its first call at `delay`, then each follow-up as soon as the previous answer
+    arrived (a repeat, a sibling on the same prefix, a conversation's next turn)."""
+    delay: float
+    first: Call
+    then: tuple[Next, ...] = ()
+
+
+def _again(name: str, stream: bool) -> Next:
+    return lambda prev, r: replace(prev, name=name, stream=stream, wave=1)
+
+
+def clients(shape: Shape) -> list[Client]:
+    """The fixed mixed workload: clients sharing a long prefix, unrelated short and long prompts,
+    streaming and not; each follows up with a repeat (a full-prompt cache hit), a sibling on the
+    shared prefix, or (chat) a second turn and a new question under the same system prompt."""
+    prefix, n = words(shape.prefix_words, shape.seed), shape.max_tokens
+
+    def comp(name: str, prompt: str, stream: bool = False) -> Call:
+        return Call(name, COMPLETIONS, _completion(prompt, n), stream=stream)
+
+    def sibling(name: str, k: int, stream: bool) -> Next:
+        return lambda prev, r: replace(comp(name, f"{prefix} {words(k, 300 + k)}", stream), wave=1)
+
+    out = [Client(0.0, comp("shared-0", f"{prefix} {words(6, 100)}", True), (_again("shared-0-again", False),)),
+           Client(0.1, comp("shared-1", f"{prefix} {words(40, 101)}"), (sibling("shared-1-sibling", 25, True),)),
+           Client(0.05, comp("short", words(5, 7)), (_again("short-again", True),)),
+           Client(0.3, comp("long", words(shape.prefix_words // 2, 8), True)),
+           Client(0.35, comp("medium", words(60, 9)), (_again("medium-again", True),)),
+           Client(0.2, comp("shared-2", f"{prefix} {words(15, 102)}"), (sibling("shared-2-sibling", 70, False),))]
     if shape.chat:
-        for i in range(2):
-            name = f"w0-chat-{i}"
-            msgs = [*by[name].body["messages"], {"role": "assistant", "content": replies[name].text},
-                    {"role": "user", "content": words(10, 400 + i)}]
-            calls.append(Call(f"w1-chat-turn2-{i}", CHAT, _chat(msgs, shape.max_tokens), stream=i == 0,
-                              delay=0.15 * i, wave=1))
-    return calls
+        def chat(name: str, user: str, stream: bool, history: tuple[dict[str, str], ...] = ()) -> Call:
+            msgs = [{"role": "system", "content": prefix}, *history, {"role": "user", "content": user}]
+            return Call(name, CHAT, _chat(msgs, n), stream=stream)
+
+        def turn2(prev: Call, r: Response) -> Call:
+            history = ({"role": "user", "content": prev.body["messages"][-1]["content"]},
+                       {"role": "assistant", "content": r.text})
+            return replace(chat("chat-0-turn-2", words(10, 400), True, history), wave=1)
+
+        out += [Client(0.15, chat("chat-0", words(12, 200), False), (turn2,)),
+                Client(0.25, chat("chat-1", words(21, 201), True),
+                       (lambda prev, r: replace(chat("chat-1-new-question", words(9, 401), False), wave=1),))]
+    return out
 
 
 @dataclass
 class Run:
-    """A workload as run against one server: the calls and their answers, in order."""
+    """A workload as run against one server: the calls and their answers, in the order sent."""
     calls: list[Call] = field(default_factory=list)
     responses: list[Response] = field(default_factory=list)
 
 
 def run_workload(url: str, shape: Shape, headers: Mapping[str, str] | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> Run:
-    run = Run()
-    wave0 = first_wave(shape)
-    progress(f"wave 0: {len(wave0)} requests, cold")
-    r0 = run_wave(url, wave0, headers)
-    run.calls += wave0
-    run.responses += r0
-    replies = {r.call: r for r in r0}
-    wave1 = second_wave(shape, wave0, replies)
-    progress(f"wave 1: {len(wave1)} requests, prompt-cache hits")
-    run.calls += wave1
-    run.responses += run_wave(url, wave1, headers)
+    """Every client on its own thread, each starting at its delay; follow-ups right after answers."""
+    cs = clients(shape)
+    progress(f"{len(cs)} clients, {sum(1 + len(c.then) for c in cs)} requests")
+    run, lock, t0 = Run(), threading.Lock(), time.monotonic()
+
+    def one(c: Client) -> None:
+        time.sleep(max(0.0, c.delay - (time.monotonic() - t0)))
+        call, answer = c.first, send(url, c.first, headers)
+        for step in (None, *c.then):
+            if step is not None:
+                call = step(call, answer)
+                answer = send(url, call, headers)
+            with lock:
+                run.calls.append(call)
+                run.responses.append(answer)
+
+    threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in cs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
     return run

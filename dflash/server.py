@@ -98,7 +98,8 @@ def stream(url: str, payload: Any, headers: Mapping[str, str] | None = None,
     conn, path = _connection(url, timeout)
     t0 = time.perf_counter()
     try:
-        conn.request("POST", path, body=json.dumps({**payload, "stream": True}).encode(),
+        body = {**payload, "stream": True, "stream_options": {"include_usage": True}}  # usage in the last event
+        conn.request("POST", path, body=json.dumps(body).encode(),
                      headers={"Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
         if r.status != 200:
@@ -115,14 +116,30 @@ def stream(url: str, payload: Any, headers: Mapping[str, str] | None = None,
         conn.close()
 
 
+def check_libraries(pid: int, lib_dir: str) -> None:
+    """The llama.cpp libraries a process mapped (libllama, libggml*) all come from `lib_dir`: the
+    server computes with the very files dflash prefill loads."""
+    want = Path(lib_dir).resolve()
+    seen: dict[str, Path] = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[-1] if len(line.split()) >= 6 else ""
+        name = Path(path).name
+        if name.startswith(("libllama.so", "libggml")):
+            seen[name] = Path(path).resolve().parent
+    wrong = sorted(f"{n} from {d}" for n, d in seen.items() if d != want)
+    if not any(n.startswith("libllama.so") for n in seen) or wrong:
+        raise DflashError(f"llama-server did not load its llama.cpp from {want}: "
+                          + (", ".join(wrong) if wrong else "no libllama mapped"))
+
+
 class Server:
     """One llama-server child: `start()` returns once /health answers 200 (or raises DflashError
     with the reason and the server's last log line); `stop()` ends it. Its stdout and stderr are
     relayed to `log_line` line by line from a thread."""
 
     def __init__(self, argv: Sequence[str], host: str, port: int, env: Mapping[str, str] | None = None,
-                 log_line: Say = _quiet, api_key: str | None = None):
-        self.argv, self.host, self.port = list(argv), host, port
+                 log_line: Say = _quiet, api_key: str | None = None, lib_dir: str | None = None):
+        self.argv, self.host, self.port, self.lib_dir = list(argv), host, port, lib_dir
         self.env = dict(os.environ if env is None else env)
         self.log_line, self.api_key = log_line, api_key
         self.proc: subprocess.Popen[bytes] | None = None
@@ -158,10 +175,17 @@ class Server:
                 raise DflashError(f"llama-server {describe_exit(self.proc.returncode)} while starting"
                                   + (f": {self.last_line()}" if self.last_line() else ""))
             try:
-                if request(self.url + "/health", method="GET", timeout=2.0).status == 200:
-                    return
+                ready = request(self.url + "/health", method="GET", timeout=2.0).status == 200
             except OSError:
-                pass
+                ready = False
+            if ready:
+                try:
+                    if self.lib_dir is not None:
+                        check_libraries(self.proc.pid, self.lib_dir)
+                except BaseException:
+                    self.stop()
+                    raise
+                return
             time.sleep(0.1)
         self.stop()
         raise DflashError(f"llama-server did not answer /health within {timeout:g} s")

@@ -14,6 +14,7 @@ options below. What they pin, and why:
                   query row by the per-row kernel; GPU: off)
   --no-context-shift, --cache-reuse 0
                   no KV shifting: a shifted cache is not the cache a cold run computes
+  --fit off       the context and batch sizes are the ones given, never adjusted to free memory
   prompt cache    on (llama-server's default): a reused prefix, a restored checkpoint and the RAM
                   cache are what `dflash qualify --serve` measures against cold runs
 
@@ -49,7 +50,7 @@ MANAGED: dict[str, str] = {
     **dict.fromkeys(("--api-key", "--api-key-file"), "--api-key"),
     **dict.fromkeys(("-a", "--alias"), "--alias"),
     **dict.fromkeys(("--swa-full", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified", "--context-shift",
-                     "--no-context-shift"), "nothing: dflash pins it (see `dflash serve --help`)"),
+                     "--no-context-shift", "-fit", "--fit"), "nothing: dflash pins it (see `dflash serve --help`)"),
 }
 
 # llama-server options known to change results against a cold single-request run or dflash prefill
@@ -98,7 +99,7 @@ class ServeConfig:
         return ["-np", str(self.parallel), "-c", str(self.ctx * self.parallel), "-b", str(self.ubatch),
                 "-ub", str(self.ubatch), "-t", str(self.threads), "-tb", str(self.threads),
                 "-fa", self.flash_attn, "--swa-full", "--kv-unified" if self.kv_unified else "--no-kv-unified",
-                "--no-context-shift", "--cache-reuse", "0"]
+                "--no-context-shift", "--cache-reuse", "0", "--fit", "off"]
 
     def vouched_by(self, other: ServeConfig) -> bool:
         """A record made with `other` vouches for this configuration: the same slots, width, KV layout
@@ -163,9 +164,10 @@ def bind_address(host: str, allow_remote: bool, api_key: str | None) -> tuple[st
                        f"connection is not encrypted; serve a trusted network, or put TLS in front")
 
 
-def fingerprint(flavor: str, build_key: str, model_sha256: str) -> str:
-    """The system_fingerprint every response carries: library flavor and build, and the model."""
-    return f"dflash-{flavor}-{build_key}-model-{model_sha256[:16]}"
+def fingerprint(flavor: str, library_key: str, server_key: str, model_sha256: str) -> str:
+    """The system_fingerprint every response carries: the library (flavor and build key), the
+    llama-server build and the model."""
+    return f"dflash-{flavor}-{library_key}-server-{server_key[:8]}-model-{model_sha256[:16]}"
 
 
 def config_key(parts: Sequence[str]) -> str:

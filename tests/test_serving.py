@@ -74,15 +74,29 @@ def test_bind_address_needs_both_remote_flags():
         serving.bind_address("example.org", True, "k")
 
 
-def test_fingerprint_names_flavor_build_and_model():
-    fp = serving.fingerprint("exact", "0123456789abcdef", "ab" * 32)
-    assert fp == "dflash-exact-0123456789abcdef-model-abababababababab"
+def test_fingerprint_names_flavor_builds_and_model():
+    fp = serving.fingerprint("exact", "0123456789abcdef", "fedcba9876543210", "ab" * 32)
+    assert fp == "dflash-exact-0123456789abcdef-server-fedcba98-model-abababababababab"
 
 
-def test_server_build_key_covers_server_patches_and_library_key_does_not():
-    assert build.build_key("exact", server=True) != build.build_key("exact")
-    assert build.build_key("exact", server=True) != build.build_key("stock", server=True)
-    assert "server/patches" in build._SERVER_INPUTS
+def test_server_key_covers_the_server_build_and_library_keys_do_not(tmp_path, monkeypatch):
+    import shutil
+    for rel in ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "rpc/patches", "server"):
+        src, dst = build.REPO_ROOT / rel, tmp_path / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, dst)
+    monkeypatch.setattr(build, "REPO_ROOT", tmp_path)
+    keys = (build.build_key("exact"), build.build_key("stock"), build.server_key())
+    patch = next((tmp_path / "server" / "patches").glob("*.patch"))
+    patch.write_text(patch.read_text() + "\n")
+    assert (build.build_key("exact"), build.build_key("stock")) == keys[:2]  # a server edit rebuilds no library
+    after = build.server_key()
+    assert after != keys[2]
+    (tmp_path / "server" / "README.md").write_text("docs are no build input\n")
+    assert build.server_key() == after
+    kernel = next((tmp_path / "cpu_kernels" / "patches" / "exact").glob("*.patch"))
+    kernel.write_text(kernel.read_text() + "\n")
+    assert build.build_key("exact") != keys[0] and build.server_key() != after  # it links the exact library
 
 
 # ---- the serve record ------------------------------------------------------------------------
@@ -134,23 +148,26 @@ def test_corrupt_record_is_an_error_for_load(tmp_path, monkeypatch):
 
 # ---- the workload and the comparison -----------------------------------------------------------
 
-def test_workload_waves_share_a_prefix_and_hit_the_cache():
+def test_workload_clients_share_a_prefix_and_follow_up_on_the_cache():
     shape = wl.Shape(prefix_words=50, max_tokens=4, chat=True)
-    w0 = wl.first_wave(shape)
+    cs = wl.clients(shape)
     assert wl.words(50, 1) == wl.words(50, 1) != wl.words(50, 2)
-    shared = [c for c in w0 if c.name.startswith("w0-shared")]
-    assert len(shared) == 4 and all(c.body["prompt"].startswith(wl.words(50, 1)) for c in shared)
-    assert {c.stream for c in w0} == {True, False} and {c.endpoint for c in w0} == {wl.COMPLETIONS, wl.CHAT}
-    assert len({c.delay for c in w0}) > 3  # arrivals spread out
-    replies = {c.name: wl.Response(c.name, 200, text=f"reply of {c.name}") for c in w0}
-    w1 = wl.second_wave(shape, w0, replies)
-    by = {c.name: c for c in w1}
-    assert by["w1-repeat-0"].key() == next(c for c in w0 if c.name == "w0-shared-0").key()
-    assert by["w1-repeat-0"].stream != next(c for c in w0 if c.name == "w0-shared-0").stream
-    turn2 = by["w1-chat-turn2-0"].body["messages"]
-    assert turn2[2] == {"role": "assistant", "content": "reply of w0-chat-0"} and turn2[3]["role"] == "user"
-    assert all(c.wave == 1 for c in w1) and all(c.body["temperature"] == 0 for c in w0 + w1)
-    assert not any(c.endpoint == wl.CHAT for c in wl.first_wave(wl.Shape(chat=False)))
+    firsts = [c.first for c in cs]
+    shared = [c for c in firsts if c.name.startswith("shared")]
+    assert len(shared) == 3 and all(c.body["prompt"].startswith(wl.words(50, 1) + " ") for c in shared)
+    assert {c.stream for c in firsts} == {True, False} and {c.endpoint for c in firsts} == {wl.COMPLETIONS, wl.CHAT}
+    assert len({c.delay for c in cs}) == len(cs)  # arrivals spread out
+    follow = {c.first.name: c.then[0](c.first, wl.Response(c.first.name, 200, text=f"reply to {c.first.name}"))
+              for c in cs if c.then}
+    again = follow["shared-0"]
+    assert again.key() == cs[0].first.key() and again.stream != cs[0].first.stream and again.wave == 1
+    sib = follow["shared-1"].body["prompt"]
+    assert sib.startswith(wl.words(50, 1) + " ") and sib != cs[1].first.body["prompt"]
+    turn2 = follow["chat-0"].body["messages"]
+    assert turn2[0]["role"] == "system" and turn2[2] == {"role": "assistant", "content": "reply to chat-0"}
+    assert follow["chat-1"].body["messages"][0] == cs[-1].first.body["messages"][0]  # same system prompt
+    assert all(c.body["temperature"] == 0 for c in [*firsts, *follow.values()])
+    assert not any(c.first.endpoint == wl.CHAT for c in wl.clients(wl.Shape(chat=False)))
 
 
 def _resp(name, tokens=(5, 6), lp=-0.5, logits="a" * 64, prompt="b" * 64, cached=0):

@@ -21,12 +21,13 @@ from .options import Command
                    "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "
                    "library (JSON key 'library'). Proves it builds; it runs only with ROCm's real libraries.")
 @click.option("--server", is_flag=True,
-              help="Build llama.cpp's llama-server for each flavor instead of the library: the same patched "
-                   "source and options, linked statically, with server/patches (what `dflash serve` runs).")
+              help="Build llama.cpp's llama-server (what `dflash serve` runs): the same pinned source with the "
+                   "exact patch set and server/patches, linked against the exact library's ggml; it runs against "
+                   "any flavor's library. Builds the exact library first when it is missing.")
 @click.option("--json", "as_json", is_flag=True)
 def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, as_json: bool) -> None:
-    """Build the exact and stock llama.cpp libraries, or with --server their llama-server binaries
-    (cached, keyed by their inputs)."""
+    """Build the exact and stock llama.cpp libraries, or with --server llama-server (cached, keyed by
+    their inputs)."""
     if compile_only:
         if gpu != "hip" or libs or server:
             raise click.UsageError("--compile-only goes with --gpu hip and no --lib or --server")
@@ -36,10 +37,12 @@ def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, a
         else:
             output.out.print(f"library: {lib}", highlight=False, markup=False)
         return
-    done = {}
-    for flavor in libs or build.FLAVORS:
-        made = build.build_server if server else build.build_library
-        done[flavor] = str(made(flavor, gpu, log=output.note))
+    if server:
+        if libs or gpu != "none":
+            raise click.UsageError("--server builds one llama-server for every flavor and backend: no --lib or --gpu")
+        done = {"server": str(build.build_server(log=output.note))}
+    else:
+        done = {flavor: str(build.build_library(flavor, gpu, log=output.note)) for flavor in libs or build.FLAVORS}
     if as_json:
         output.emit_json(done)
     else:

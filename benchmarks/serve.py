@@ -13,8 +13,9 @@ answer read. Reported: generated tokens/s (all completion tokens / window), prom
 (prompt tokens the server evaluated, cached ones excluded / window), time to first token p50/p95
 (first streamed token), and the share of responses identical (token ids, logprobs, last-position
 logits fingerprint) to the same request run alone with the prompt cache off on the same server.
-Then the cache-hit probe: a cold N-token prompt (cache off) and the same prompt again (a prompt
-cache hit), each alone: first-token times and their ratio. Not a test: nothing is asserted.
+Then the cache-hit probe, each request alone: an N-token prompt cold (cache off), the same prompt
+again (a full-prompt cache hit), the same prefix with a new suffix (a shared-prefix hit): first-
+token times and their ratios to the cold runs. Not a test: nothing is asserted.
 """
 from __future__ import annotations
 
@@ -75,17 +76,29 @@ def _load(url: str, calls: list[wl.Call], concurrency: int) -> tuple[list[wl.Res
 
 
 def _cache_probe(url: str, prefix_words: int, max_tokens: int, seed: int) -> dict:
-    prompt = wl.words(prefix_words, seed + 7777)
-    call = wl.Call("probe", wl.COMPLETIONS, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-                   stream=True)
-    cold = wl.send(url, call, extra={"cache_prompt": False})
-    wl.send(url, call)  # fill the cache (a cold evaluation that keeps its KV)
-    hit = wl.send(url, call)
+    """First-token times alone on the server: the prompt cold (cache off), the same prompt again (a
+    full-prompt cache hit) and the same prefix with a new 8-word suffix (a shared-prefix hit)."""
+    prefix = wl.words(prefix_words, seed + 7777)
+
+    def call(prompt: str) -> wl.Call:
+        return wl.Call("probe", wl.COMPLETIONS, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                       stream=True)
+    first = call(f"{prefix} {wl.words(8, 1)}")
+    cold = wl.send(url, first, extra={"cache_prompt": False})
+    wl.send(url, first)  # a cold evaluation that leaves its KV (and checkpoints) in the slot
+    repeat = wl.send(url, first)
+    sibling = wl.send(url, call(f"{prefix} {wl.words(8, 2)}"))
+    sibling_cold = wl.send(url, call(f"{prefix} {wl.words(8, 2)}"), extra={"cache_prompt": False})
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
     return {"prompt_tokens": cold.prompt_tokens, "cold_ttft_s": cold.first_token_seconds,
-            "hit_ttft_s": hit.first_token_seconds, "hit_cached_tokens": hit.cached_tokens,
-            "speedup": (cold.first_token_seconds / hit.first_token_seconds)
-            if cold.first_token_seconds and hit.first_token_seconds else None,
-            "hit_identical_to_cold": hit.same_as(cold)}
+            "repeat_ttft_s": repeat.first_token_seconds, "repeat_cached_tokens": repeat.cached_tokens,
+            "repeat_speedup": ratio(cold.first_token_seconds, repeat.first_token_seconds),
+            "repeat_identical_to_cold": repeat.same_as(cold),
+            "sibling_ttft_s": sibling.first_token_seconds, "sibling_cached_tokens": sibling.cached_tokens,
+            "sibling_speedup": ratio(sibling_cold.first_token_seconds, sibling.first_token_seconds),
+            "sibling_identical_to_cold": sibling.same_as(sibling_cold)}
 
 
 def bench_library(lib: str, a: argparse.Namespace) -> dict:
@@ -154,8 +167,11 @@ def main() -> None:
                   f"{x['generated_tok_s'] / y['generated_tok_s']:.3f}")
     for res in results:
         p = res["cache_probe"]
-        print(f"{res['lib']}: cache hit on a {p['prompt_tokens']}-token prompt: first token {p['cold_ttft_s']:.3f} s "
-              f"cold, {p['hit_ttft_s']:.3f} s hit ({p['speedup']:.1f}x), identical {p['hit_identical_to_cold']}")
+        print(f"{res['lib']}: {p['prompt_tokens']}-token prompt, first token cold {p['cold_ttft_s']:.3f} s; "
+              f"repeated (cache hit, {p['repeat_cached_tokens']} cached) {p['repeat_ttft_s']:.3f} s = "
+              f"{p['repeat_speedup']:.1f}x, identical {p['repeat_identical_to_cold']}; same prefix, new suffix "
+              f"({p['sibling_cached_tokens']} cached) {p['sibling_ttft_s']:.3f} s = {p['sibling_speedup']:.1f}x, "
+              f"identical {p['sibling_identical_to_cold']}")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=2) + "\n")
 

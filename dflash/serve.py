@@ -90,15 +90,11 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
     return ServeTarget(check, s, weights, model, env)
 
 
-def _prefill_width(t: ServeTarget, note: Say) -> int:
+def _prefill_width(t: ServeTarget) -> int:
     """The widest width the prefill record proves in fixed-width runs (those cross compressor
     boundaries, as llama-server's batches do), 1 without one."""
     q = proofs.lookup(t.settings, AUTO, t.given_model, t.weights, t.check.device, _quiet, _quiet)
-    if q is not None and q.mode == FIXED:
-        return q.width
-    note("no qualification record proves a fixed width for this library and model: llama-server prefills "
-         "one token per step (-ub 1); `dflash qualify --serve` proves a wider one")
-    return 1
+    return q.width if q is not None and q.mode == FIXED else 1
 
 
 def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, ctx: int, threads: int,
@@ -123,14 +119,22 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
         if fits:
             base = fits[-1].config
         else:
-            base = serving.ServeConfig(parallel or 1, ubatch or _prefill_width(t, note), ctx, threads)
+            base = serving.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads)
     config = replace(base, ctx=ctx, threads=threads)
     entry = serve_record.find(record, config)
-    if entry is None and (parallel or 1) > 1 and not allow_inexact:
-        raise UsageError(f"{arg('parallel')} {parallel}: no serve record vouches for {parallel} slots at "
-                         f"ubatch {config.ubatch} with this server build and model: run `dflash qualify --serve "
-                         f"--parallel {parallel}{f' --model {t.given_model}' if t.given_model else ''}` first, "
-                         f"or pass --allow-inexact")
+    if entry is None and not allow_inexact:
+        cmd = (f"dflash qualify --serve --parallel {config.parallel} --ubatch {config.ubatch}"
+               + (f" --model {t.given_model}" if t.given_model else ""))
+        if config.parallel > 1:
+            raise UsageError(f"{arg('parallel')} {config.parallel}: no serve record vouches for {config.parallel} "
+                             f"slots at ubatch {config.ubatch} with this server build and model: run `{cmd}` first, "
+                             f"or pass --allow-inexact")
+        if ubatch is not None and ubatch > _prefill_width(t):
+            raise UsageError(f"{arg('ubatch')} {ubatch}: no serve record or qualification record proves width "
+                             f"{ubatch} exact for this library and model: run `{cmd}` first, or pass --allow-inexact")
+    if entry is None and ubatch is None and config.ubatch == 1:
+        note("no record proves a width for this library and model: llama-server prefills one token per step "
+             "(-ub 1); `dflash qualify --serve` proves a wider one")
     return config, entry
 
 

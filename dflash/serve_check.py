@@ -11,13 +11,11 @@ the last one stopped.
 """
 from __future__ import annotations
 
-import hashlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from . import serve_record, server, serving
 from . import serve_workload as wl
@@ -143,10 +141,6 @@ class Prefilled:
     tokens: tuple[int, ...]
 
 
-def _sha_ids(ids: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
-
-
 def compare(run_calls: Sequence[wl.Call], responses: Sequence[wl.Response], solo: dict[str, wl.Response],
             prefilled: dict[str, Prefilled]) -> tuple[Verdict, ...]:
     """Each response against its solo cold run and dflash prefill (pure)."""
@@ -181,7 +175,6 @@ def qualify_serve(target: Target, configs: Sequence[serving.ServeConfig], shape:
                   log_line: Say = lambda s: None, env: Mapping[str, str] | None = None) -> ServeQualifyResult:
     """Run the workload on each configuration, then the solo cold references, then prefill; write
     the evidence and the record."""
-    import os
     env = dict(os.environ if env is None else env)
     runs: list[tuple[serving.ServeConfig, wl.Run]] = []
     for config in configs:
@@ -199,7 +192,7 @@ def qualify_serve(target: Target, configs: Sequence[serving.ServeConfig], shape:
     log(f"reference: {len(distinct)} distinct requests, each alone on a one-slot server with the prompt cache off")
     s = target.start(reference, env, log_line)
     try:
-        solo = {k: wl.send(s.url, c.__class__(c.name, c.endpoint, c.body), extra={"cache_prompt": False})
+        solo = {k: wl.send(s.url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False})
                 for k, c in distinct.items()}
         ids = {k: _prompt_ids(s.url, c) for k, c in distinct.items()}
     finally:

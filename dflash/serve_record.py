@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -180,6 +180,3 @@ def find(record: Record | None, config: ServeConfig) -> Entry | None:
             return e
     return None
 
-
-def with_ctx(config: ServeConfig, ctx: int, threads: int) -> ServeConfig:
-    return replace(config, ctx=ctx, threads=threads)

@@ -15,12 +15,14 @@ answer read. Reported: generated tokens/s (all completion tokens / window), prom
 logits fingerprint) to the same request run alone with the prompt cache off on the same server.
 Then the cache-hit probe, each request alone: an N-token prompt cold (cache off), the same prompt
 again (a full-prompt cache hit), the same prefix with a new suffix (a shared-prefix hit): first-
-token times and their ratios to the cold runs. Not a test: nothing is asserted.
+token times and their ratios to the cold runs. `--rounds` passes (library order alternating) give
+medians per row. Not a test: nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -35,10 +37,11 @@ from dflash import serving, settings  # noqa: E402
 
 
 def _calls(mode: str, n: int, prefix_words: int, max_tokens: int, seed: int) -> list[wl.Call]:
+    """n prompts of one row: `seed` is the row's own (no prompt of one row reappears in another)."""
     out = []
     for i in range(n):
-        prefix = wl.words(prefix_words, seed) if mode == "shared" else wl.words(prefix_words, seed + 1000 + i)
-        body = {"prompt": f"{prefix} {wl.words(8 + i % 5, seed + 50 + i)}", "max_tokens": max_tokens,
+        prefix = wl.words(prefix_words, seed) if mode == "shared" else wl.words(prefix_words, seed + 1 + i)
+        body = {"prompt": f"{prefix} {wl.words(8 + i % 5, seed + 500 + i)}", "max_tokens": max_tokens,
                 "temperature": 0, "logprobs": 1}
         out.append(wl.Call(f"{mode}-{i}", wl.COMPLETIONS, body, stream=True))
     return out
@@ -111,7 +114,8 @@ def bench_library(lib: str, a: argparse.Namespace) -> dict:
         wl.send(url, wl.Call("warm", wl.COMPLETIONS, {"prompt": "warm up", "max_tokens": 4, "temperature": 0}))
         for mode in a.modes:
             for conc in a.concurrency:
-                calls = _calls(mode, a.requests, a.prefix_words, a.max_tokens, a.seed + conc)
+                row_seed = a.seed * 1_000_000 + conc * 10_000 + (0 if mode == "shared" else 5_000)
+                calls = _calls(mode, a.requests, a.prefix_words, a.max_tokens, row_seed)
                 got, window = _load(url, calls, conc)
                 solo = {c.key(): wl.send(url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False})
                         for c in calls}
@@ -127,10 +131,28 @@ def bench_library(lib: str, a: argparse.Namespace) -> dict:
                        "identical_to_solo": same, "identical_share": same / len(calls)}
                 print(json.dumps(row), file=sys.stderr)
                 rows.append(row)
-        probe = _cache_probe(url, a.prefix_words, a.max_tokens, a.seed)
+        probe = _cache_probe(url, a.probe_words or a.prefix_words, a.max_tokens, a.seed)
         print(json.dumps({"lib": lib, "cache_probe": probe}), file=sys.stderr)
     return {"lib": lib, "config": config.to_json(), "fingerprint": target.check.fingerprint, "rows": rows,
             "cache_probe": probe, "model": target.check.model}
+
+
+def _median_rows(runs: list[dict]) -> dict:
+    """One library's rounds: per row the median of each rate and time, identical counts summed;
+    the cache probe's times are medians too (its identical flags: all rounds)."""
+    med = statistics.median
+    rows = []
+    for i, first in enumerate(runs[0]["rows"]):
+        same = [r["rows"][i] for r in runs]
+        row = {**first, **{k: med(x[k] for x in same) for k in ("generated_tok_s", "prompt_tok_s", "window_s",
+                                                                 "ttft_p50_s", "ttft_p95_s")},
+               "requests": sum(x["requests"] for x in same), "identical_to_solo": sum(x["identical_to_solo"]
+                                                                                     for x in same)}
+        rows.append(row)
+    probes = [r["cache_probe"] for r in runs]
+    probe = {**probes[0], **{k: med(p[k] for p in probes) for k in probes[0] if k.endswith(("_s", "_speedup"))},
+             **{k: all(p[k] for p in probes) for k in probes[0] if k.endswith("_to_cold")}}
+    return {**runs[0], "rows": rows, "cache_probe": probe}
 
 
 def main() -> None:
@@ -142,17 +164,23 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefix-words", type=int, default=1000, help="words of each prompt's prefix")
+    ap.add_argument("--probe-words", type=int, default=None,
+                    help="words of the cache-hit probe's prompt [default: --prefix-words]")
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the libraries, their order alternating")
     ap.add_argument("--json", dest="json_out", default=None, help="write all rows to this file")
     ap.add_argument("extra", nargs="*", help="llama-server options after --")
     a = ap.parse_args()
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
     a.modes = a.modes.split(",")
-    results = [bench_library(lib, a) for lib in a.libs.split(",")]
+    libs = a.libs.split(",")
+    rounds = [[bench_library(lib, a) for lib in (libs if r % 2 == 0 else libs[::-1])] for r in range(a.rounds)]
+    results = [_median_rows([res for rnd in rounds for res in rnd if res["lib"] == lib]) for lib in libs]
+    print(f"medians over {a.rounds} round(s), libraries alternating; identical counts summed over rounds")
     print("| lib | prompts | conc | gen tok/s | prompt tok/s | TTFT p50 | TTFT p95 | identical to solo |")
     print("|---|---|---|---|---|---|---|---|")
     for res in results:
@@ -164,7 +192,8 @@ def main() -> None:
         a_rows, b_rows = results[0]["rows"], results[1]["rows"]
         for x, y in zip(a_rows, b_rows, strict=True):
             print(f"{x['mode']} c{x['concurrency']}: {results[0]['lib']}/{results[1]['lib']} generated tok/s "
-                  f"{x['generated_tok_s'] / y['generated_tok_s']:.3f}")
+                  f"{x['generated_tok_s'] / y['generated_tok_s']:.3f}, prompt tok/s "
+                  f"{x['prompt_tok_s'] / y['prompt_tok_s']:.3f}")
     for res in results:
         p = res["cache_probe"]
         print(f"{res['lib']}: {p['prompt_tokens']}-token prompt, first token cold {p['cold_ttft_s']:.3f} s; "
@@ -173,7 +202,7 @@ def main() -> None:
               f"({p['sibling_cached_tokens']} cached) {p['sibling_ttft_s']:.3f} s = {p['sibling_speedup']:.1f}x, "
               f"identical {p['sibling_identical_to_cold']}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps(results, indent=2) + "\n")
+        Path(a.json_out).write_text(json.dumps({"medians": results, "rounds": rounds}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
     """What `dflash serve` runs: llama-server (built with build_missing, else LibraryNotBuilt) on
     the flavor's library, the model (the built-in tiny one when None) and its SHA-256."""
     if device != "cpu":
-        raise UsageError(f"{arg('device')} {device!r}: dflash serve runs on the CPU for now (the HIP and CUDA "
-                         f"servers build with `dflash build --server --gpu hip|cuda`, but are not wired up)")
+        raise UsageError(f"{arg('device')} {device!r}: dflash serve runs on the CPU for now (GPU serving is not "
+                         f"wired up yet)")
     s = settings or Settings.from_env({}, lib=lib)
     if not build_missing and not build.server_built():
         raise LibraryNotBuilt("llama-server is not built yet: run `dflash build --server` (several minutes, once), "

@@ -58,9 +58,7 @@ class ServeTarget:
     def server(self, config: serving.ServeConfig, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, log_line: Say = _quiet) -> server.Server:
         """A llama-server for `config` (not started: use it as a context manager, or start())."""
-        port = server.free_port(host) if port is None else port
-        return server.Server(self.check.argv(config, host, port), host, port, env=self.env, log_line=log_line,
-                             api_key=api_key, lib_dir=self.check.lib_dir)
+        return self.check.make_server(config, self.env, host, port, api_key, log_line)
 
 
 def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHTS, lib: str = "exact",

@@ -53,11 +53,16 @@ class Target:
         return [self.binary, "-m", self.model, "--host", host, "--port", str(port), "--alias", Path(self.model).stem,
                 "--no-webui", "--metrics", *config.args(), *self.extra]
 
+    def make_server(self, config: serving.ServeConfig, env: Mapping[str, str], host: str = "127.0.0.1",
+               port: int | None = None, api_key: str | None = None, log_line: Say = lambda s: None) -> server.Server:
+        """A llama-server for `config` (not started), on a free port unless one is given."""
+        port = server.free_port(host) if port is None else port
+        return server.Server(self.argv(config, host, port), host, port, env=env, log_line=log_line,
+                             api_key=api_key, lib_dir=self.lib_dir)
+
     def start(self, config: serving.ServeConfig, env: Mapping[str, str], log_line: Say) -> server.Server:
         """A started llama-server for `config` on a free loopback port."""
-        port = server.free_port()
-        s = server.Server(self.argv(config, "127.0.0.1", port), "127.0.0.1", port, env=env, log_line=log_line,
-                          lib_dir=self.lib_dir)
+        s = self.make_server(config, env, log_line=log_line)
         s.start()
         return s
 

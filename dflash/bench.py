@@ -129,5 +129,5 @@ def bench(eng: Engine, text: str, tokens: list[int], writer: EvidenceWriter, *, 
                "memory_budget": memory_budget}
     path, manifest_sha = write_evidence(writer, provenance.provenance(eng, None, text, tokens), options, samples,
                                         widths, summary)
-    return BenchResult(summary, len(tokens), eng.threads, Library(s.lib, str(eng.lib_dir)), s.chunk, s.qualified,
+    return BenchResult(summary, len(tokens), eng.threads, Library(s.lib, str(eng.lib_dir), s.cpu), s.chunk, s.qualified,
                        str(path), manifest_sha, eng.placement, memory_budget)

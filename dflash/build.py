@@ -27,16 +27,18 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from .cpu_isa import CPU_VARIANTS, NATIVE
 from .errors import DflashError
 from .fileio import fsync_dir, fsync_file
 from .paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROOT, cache_root
 
-__all__ = ["FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
+__all__ = ["CPU_VARIANTS", "FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
            "build_hip_compile_only", "build_key", "build_library", "build_server", "cache_root", "hip_compile_key",
            "hip_headers", "install_dir", "is_built", "library_dir", "server_binary", "server_built", "server_env",
            "server_key", "source_dir"]
 
-_KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake")
+_KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake",
+               "cmake/install_cpu_backend.cmake")
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact", "rpc/patches"),
                "stock": ("cpu_kernels/patches/common", "rpc/patches")}  # the patch set each flavor applies
 # what the llama-server build reads beyond the exact library it links against
@@ -63,15 +65,24 @@ def _host_fingerprint() -> str:
     return f"{platform.machine()}|{flags}|{cc.splitlines()[0] if cc else ''}"
 
 
-def build_key(flavor: str, gpu: str = "none") -> str:
+def build_key(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
+    """The key of a build: every input it reads. A CPU variant other than native is the native
+    build's libraries with that variant's libggml-cpu: its key is the native key's inputs and the
+    variant's name (cmake/llama.cmake turns the name into llama.cpp's ISA options)."""
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}|{flavor}|{gpu}|".encode())
+    if cpu not in CPU_VARIANTS:
+        raise DflashError(f"unknown CPU variant {cpu!r} (use one of {', '.join(CPU_VARIANTS)})")
+    if cpu != NATIVE:
+        if gpu != "none":
+            raise DflashError(f"--cpu {cpu} is a CPU-only build: GPU builds use the native CPU backend")
+        h.update(f"cpu={cpu}|".encode())
     if not (REPO_ROOT / "CMakeLists.txt").is_file():
         raise DflashError(f"dflash builds llama.cpp from its source checkout, and {REPO_ROOT} is not one: "
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + (("hip_kernels",) if gpu in ("hip", "cuda") else ()))
+    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + (_hip_kernels_inputs() if gpu in ("hip", "cuda") else ()))
     h.update(_host_fingerprint().encode())
     if gpu == "cuda":  # the CUDA build: its architectures and its compiler
         h.update(f"|{cuda_architectures()}|{_nvcc_version()}".encode())
@@ -131,18 +142,25 @@ def _nvcc_version() -> str:
     return (r.stdout.strip().splitlines() or ["?"])[-1]
 
 
-def install_dir(flavor: str, gpu: str = "none") -> Path:
+def build_name(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
+    """The build's folder name under ~/.cache/dflash/llama/: <flavor>-<key>, or
+    <flavor>-<variant>-<key> for a CPU variant other than native."""
     if flavor not in FLAVORS:
         raise DflashError(f"unknown llama.cpp library flavor {flavor!r} (use one of {', '.join(FLAVORS)})")
-    return cache_root() / "llama" / f"{flavor}-{build_key(flavor, gpu)}"
+    key = build_key(flavor, gpu, cpu)
+    return f"{flavor}-{key}" if cpu == NATIVE else f"{flavor}-{cpu}-{key}"
 
 
-def library_dir(flavor: str, gpu: str = "none") -> Path:
-    return install_dir(flavor, gpu) / "lib"
+def install_dir(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> Path:
+    return cache_root() / "llama" / build_name(flavor, gpu, cpu)
 
 
-def is_built(flavor: str, gpu: str = "none") -> bool:
-    return (library_dir(flavor, gpu) / "libllama.so").is_file()
+def library_dir(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> Path:
+    return install_dir(flavor, gpu, cpu) / "lib"
+
+
+def is_built(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> bool:
+    return (library_dir(flavor, gpu, cpu) / "libllama.so").is_file()
 
 
 def sdist_path(log: Log = lambda s: None) -> Path:
@@ -191,10 +209,14 @@ def source_dir(log: Log = lambda s: None) -> Path:
 
 
 def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
-                  log: Log = lambda s: None) -> Path:
-    """Configure and build llama.cpp for `flavor` unless the keyed install already exists."""
-    if is_built(flavor, gpu):
-        return library_dir(flavor, gpu)
+                  log: Log = lambda s: None, cpu: str = NATIVE) -> Path:
+    """Configure and build llama.cpp for `flavor` unless the keyed install already exists. A CPU
+    variant other than native builds only its libggml-cpu and installs it beside copies of the
+    native build's other libraries (built first when missing)."""
+    if is_built(flavor, gpu, cpu):
+        return library_dir(flavor, gpu, cpu)
+    if cpu != NATIVE:
+        return _build_variant(flavor, cpu, jobs, log)
     if shutil.which("cmake") is None:
         raise DflashError("cmake is not installed (apt-get install cmake)")
     if gpu == "cuda" and _nvcc() is None:
@@ -228,6 +250,39 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
     return library_dir(flavor, gpu)
 
 
+def _build_variant(flavor: str, cpu: str, jobs: int | None, log: Log) -> Path:
+    base = build_library(flavor, jobs=jobs, log=log).parent
+    if shutil.which("cmake") is None:
+        raise DflashError("cmake is not installed (apt-get install cmake)")
+    from .stage import stage
+    stage(f"build of the {flavor} llama.cpp library's {cpu} CPU backend")
+    dest = install_dir(flavor, cpu=cpu)
+    work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-{cpu}-", dir=cache_root()))
+    src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
+                               ignore=shutil.ignore_patterns(".git")))
+    configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
+                 f"-DDFLASH_LLAMA_FLAVOR={flavor}", f"-DDFLASH_LLAMA_PREFIX={work / 'install'}",
+                 f"-DDFLASH_CPU_VARIANT={cpu}", "-DDFLASH_CPU_BACKEND_ONLY=ON", "-DDFLASH_GPU=none",
+                 "-DDFLASH_BUILD_KERNELS=OFF"]
+
+    def beside_native(staging: Path) -> None:
+        """The native build's other files (libllama, libggml-base, libggml, libggml-rpc, headers)."""
+        for f in sorted(base.rglob("*")):
+            rel = f.relative_to(base)
+            if f.name.startswith("libggml-cpu.so") or (staging / rel).exists() or (staging / rel).is_symlink():
+                continue
+            if f.is_dir() and not f.is_symlink():
+                (staging / rel).mkdir(parents=True, exist_ok=True)
+            else:
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, staging / rel, follow_symlinks=False)
+        (staging / "dflash-variant.txt").write_text(f"cpu={cpu}\nflavor={flavor}\nbase={base.name}\n")
+    log(f"building llama.cpp's CPU backend ({flavor}, {cpu}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
+    _cmake_install(work, configure, "lib/libggml-cpu.so", dest, f"llama.cpp {flavor} {cpu}", jobs, log,
+                   dict(os.environ), lambda text: "", complete=beside_native)
+    return library_dir(flavor, cpu=cpu)
+
+
 def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
     """Build llama-server (server/CMakeLists.txt) unless the keyed install exists; builds the exact
     library it links against first when that is missing. Returns the binary."""
@@ -251,9 +306,11 @@ def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
 
 
 def _cmake_install(work: Path, configure: list[str], product: str, dest: Path, what: str, jobs: int | None,
-                   log: Log, env: Mapping[str, str], hint: Callable[[str], str]) -> None:
-    """Configure and build in `work` (its install folder: work/install), then move the install to
-    `dest` in one rename; a failed build keeps its log at <cache>/build-<what>-failed.log."""
+                   log: Log, env: Mapping[str, str], hint: Callable[[str], str],
+                   complete: Callable[[Path], None] | None = None) -> None:
+    """Configure and build in `work` (its install folder: work/install; `complete` adds to it),
+    then move the install to `dest` in one rename; a failed build keeps its log at
+    <cache>/build-<what>-failed.log."""
     staging = work / "install"
     build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
     try:
@@ -266,6 +323,8 @@ def _cmake_install(work: Path, configure: list[str], product: str, dest: Path, w
                 raise DflashError(f"{what} build failed (rc={rc}){why}; log: {keep}")
         if not (staging / product).is_file():
             raise DflashError(f"{what} build produced no {Path(product).name}")
+        if complete is not None:
+            complete(staging)
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():
             shutil.rmtree(dest)
@@ -282,10 +341,26 @@ def _cmake_install(work: Path, configure: list[str], product: str, dest: Path, w
 # ROCm's real libraries replace the stubs. See hip_kernels/README.md, "Compiling ggml-hip without ROCm".
 
 HIP_ARCHS = ("gfx1151", "gfx1201")
-_HIP_KEY_INPUTS = ("cmake/patch_set.cmake", "hip_kernels/apply_patch.cmake", "hip_kernels/patches",
-                   "hip_kernels/ggml", "hip_kernels/include/dflash_mmvq", "hip_kernels/stubs",
-                   "hip_kernels/ggml_hip", "hip_kernels/cmake/ggml_hip_flags.cmake",
+# what the compile-only build reads beyond the patch set (_hip_kernels_inputs): the link stubs and
+# the stub hipBLAS header, its CMake project and the header it forces into softmax.cu, its flags,
+# the ROCm-shaped root, the fetch script (which pins the triton wheel of the HIP headers)
+_HIP_KEY_INPUTS = ("hip_kernels/stubs/include", "hip_kernels/stubs/src", "hip_kernels/ggml_hip/CMakeLists.txt",
+                   "hip_kernels/ggml_hip/grid_sync_trap.h", "hip_kernels/cmake/ggml_hip_flags.cmake",
                    "hip_kernels/cmake/hip_root.cmake", "hip_kernels/tools/fetch_hip_headers.py")
+
+
+def _hip_kernels_inputs() -> tuple[str, ...]:
+    """The paths under hip_kernels/ that the patch set's application reads, relative to the checkout:
+    apply_patch.cmake (cmake/llama.cmake's PATCH_COMMAND for the hip and cuda builds, also the
+    compile-only build's first step), the patches it applies (patches/*.patch) and what it copies
+    into ggml-cuda (every entry of ggml/, include/dflash_mmvq/*.h), picked as its globs pick them.
+    Not the README, the tests or the code-object build: editing those rebuilds nothing."""
+    k = REPO_ROOT / "hip_kernels"
+    groups = ([k / "apply_patch.cmake"], sorted((k / "patches").glob("*.patch")), sorted((k / "ggml").glob("*")),
+              sorted((k / "include" / "dflash_mmvq").glob("*.h")))
+    return tuple(str(p.relative_to(REPO_ROOT)) for group in groups for p in group)
+
+
 _DEVICE_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode", "/usr/lib/aarch64-linux-gnu/amdgcn/bitcode",
                     "/usr/lib/amdgcn/bitcode", "/opt/rocm/amdgcn/bitcode")
 _APT_CLANG = "apt-get install clang-19 lld-19 llvm-19"
@@ -329,11 +404,7 @@ def hip_compile_key(archs: tuple[str, ...] = HIP_ARCHS) -> str:
     libraries, the compiler and the architectures."""
     tools = _hip_tools()
     h = hashlib.sha256(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}|{','.join(archs)}|".encode())
-    for rel in _HIP_KEY_INPUTS:
-        p = REPO_ROOT / rel
-        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
-            if f.is_file():
-                h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes())
+    _hash_files(h, ("cmake/patch_set.cmake", *_hip_kernels_inputs(), *_HIP_KEY_INPUTS))
     for name in ("ocml.bc", "ockl.bc"):
         h.update(name.encode() + (_device_libs() / name).read_bytes())
     cc = subprocess.run([tools["clang++-19"], "--version"], capture_output=True, text=True).stdout

@@ -40,7 +40,7 @@ def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: pref
         n_tokens=sum(wa), first_diff_position=first_pos, n_positions_differing=n_rows, logits_max_abs_diff=max_d,
         first_node=d.first, n_compared=d.n_compared, node_positions_differing=len(d.positions_differing),
         differing=tuple(d.differing[:show]), n_differing_at_first_position=len(d.differing),
-        model=eng.info.path, library=Library(eng.settings.lib, str(eng.lib_dir)), threads=eng.threads,
+        model=eng.info.path, library=Library(eng.settings.lib, str(eng.lib_dir), eng.settings.cpu), threads=eng.threads,
         ignore=ignore, devices=eng.placement)
 
 

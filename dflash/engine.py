@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bands, build, devices, gguf_meta, llama, narrow, proofs, tiny_model
+from . import bands, build, cpu_isa, devices, gguf_meta, llama, narrow, proofs, tiny_model
 from .errors import DflashError, LibraryNotBuilt, UsageError, arg
 from .rpc import Remote, check_builds
 from .settings import Settings
@@ -63,12 +63,22 @@ def library_dir(settings: Settings, log: Log = _quiet, gpu: str = "none", build_
         if not (d / "libllama.so").is_file():
             raise UsageError(f"DFLASH_LLAMA_LIB_DIR={d} has no libllama.so")
         return d
-    if not build_missing and not build.is_built(settings.lib, gpu):
-        what = f"the {settings.lib} llama.cpp library" + ("" if gpu == "none" else f" for {gpu}")
-        cmd = f"dflash build --lib {settings.lib}" + ("" if gpu == "none" else f" --gpu {gpu}")
+    cpu = settings.cpu
+    if cpu != cpu_isa.NATIVE:
+        if gpu != "none":
+            raise UsageError(f"{arg('cpu')} {cpu} is a CPU build: a GPU run loads its backend's native build")
+        missing = cpu_isa.missing_flags(cpu)
+        if missing:
+            raise UsageError(f"{arg('cpu')} {cpu} needs {', '.join(missing)}, which this CPU lacks "
+                             f"(it would die of an illegal instruction)")
+    if not build_missing and not build.is_built(settings.lib, gpu, cpu):
+        what = f"the {settings.lib} llama.cpp library" + ("" if gpu == "none" else f" for {gpu}") + \
+            ("" if cpu == cpu_isa.NATIVE else f" ({cpu})")
+        cmd = f"dflash build --lib {settings.lib}" + ("" if gpu == "none" else f" --gpu {gpu}") + \
+            ("" if cpu == cpu_isa.NATIVE else f" --cpu {cpu}")
         raise LibraryNotBuilt(f"{what} is not built yet: run `{cmd}` (a few minutes, once), or open the "
                               f"Session with build=True")
-    return build.build_library(settings.lib, gpu, log=log)
+    return build.build_library(settings.lib, gpu, log=log, cpu=cpu)
 
 
 def load_library(settings: Settings, log: Log = _quiet, gpu: str = "none", build_missing: bool = False) -> Path:

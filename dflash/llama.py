@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -187,6 +188,68 @@ def gpu_devices() -> list[int]:
     return out
 
 
+def _extra_buffer_types(g: ctypes.CDLL) -> tuple[str, ...]:
+    """The names of the extra buffer types the CPU device of the ggml in `g` (libggml) offers,
+    through the CPU backend's `ggml_backend_dev_get_extra_bufts` (ggml_backend_reg_get_proc_address)."""
+    vp = ctypes.c_void_p
+    g.ggml_backend_dev_by_type.restype, g.ggml_backend_dev_by_type.argtypes = vp, [ctypes.c_int]
+    g.ggml_backend_dev_backend_reg.restype, g.ggml_backend_dev_backend_reg.argtypes = vp, [vp]
+    g.ggml_backend_reg_get_proc_address.restype = vp
+    g.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+    g.ggml_backend_buft_name.restype, g.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [vp]
+    dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev:
+        return ()
+    fn = g.ggml_backend_reg_get_proc_address(g.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return ()
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(vp), vp)(fn)(dev)  # NULL-terminated
+    out: list[str] = []
+    while bufts and bufts[len(out)]:
+        out.append((g.ggml_backend_buft_name(bufts[len(out)]) or b"?").decode(errors="replace"))
+    return tuple(out)
+
+
+def cpu_extra_buffer_types() -> tuple[str, ...]:
+    """The extra buffer types the loaded library's CPU device offers (where llama.cpp puts weights
+    unless --no-repack), in its order of preference, e.g. ("AMX", "CPU_REPACK"). "AMX" is there only
+    when the library has AMX kernels and the kernel granted AMX to this process (ggml_amx_init,
+    ggml-cpu/amx/amx.cpp: arch_prctl ARCH_REQ_XCOMP_PERM); without it those weights go to other kernels."""
+    return _extra_buffer_types(_ggml())
+
+
+_PROBE = "import sys; from dflash import llama; print('\\n'.join(llama.probe_main(sys.argv[1])))"
+
+
+def probe_cpu_extra_buffer_types(lib_dir: str | os.PathLike[str], env: dict[str, str] | None = None,
+                                 timeout: float = 120) -> tuple[str, ...]:
+    """cpu_extra_buffer_types() of the library in `lib_dir` without loading llama.cpp here: in this
+    process when it loaded that very library, else in a fresh Python process (with `env`) that loads
+    only its ggml, so that nothing is loaded before dflash exports the flags a library reads once.
+    LlamaError when that process fails."""
+    d = Path(lib_dir).resolve()
+    if _LIB_DIR is not None and d == _LIB_DIR:
+        return cpu_extra_buffer_types()
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(d)], capture_output=True, text=True, env=env,
+                           timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LlamaError(f"cannot learn which CPU buffer types {d} offers: {e}".splitlines()[0]) from None
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise LlamaError(f"cannot learn which CPU buffer types {d} offers: {tail}")
+    return tuple(line.strip() for line in r.stdout.splitlines() if line.strip())
+
+
+def probe_main(lib_dir: str) -> tuple[str, ...]:
+    """The probe process of probe_cpu_extra_buffer_types: ggml of `lib_dir` only (no libllama)."""
+    d = Path(lib_dir)
+    if not (d / "libggml.so").is_file():
+        raise DflashError(f"no libggml.so in {d}")
+    _preload_ggml(d)
+    return _extra_buffer_types(ctypes.CDLL(str(d / "libggml.so")))
+
+
 def rpc_add_servers(endpoints: list[str]) -> list[int]:
     """Register RPC servers (as llama.cpp's --rpc does) and return their devices' handles, server
     by server. Call only after dflash.rpc.probe answered for each: ggml aborts on a dead server."""
@@ -318,7 +381,7 @@ class Context:
     """One sequence's context. `decode` runs one llama_decode over one band."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, *, flash_attn: bool | None = False,
-                 max_band: int = 512, eval_callback: object = None) -> None:
+                 max_band: int = 512, eval_callback: object = None, swa_full: bool = True) -> None:
         # eval_callback: a ggml_backend_sched_eval_callback (GraphTap.callback), or None
         L = _lib()
         self.model = model
@@ -333,6 +396,10 @@ class Context:
                               else L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                               else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.no_perf = True
+        # a full-size sliding-window cache, pinned (llama.cpp's default today): a window-sized one is a
+        # ring of n_swa + n_ubatch cells (src/llama-kv-cache-iswa.cpp:73), so its contents, and which
+        # positions a band sees, would depend on the width (see dflash/proofs.py, kv_cache)
+        cp.swa_full = swa_full
         if eval_callback is not None:
             cp.cb_eval = eval_callback
             cp.cb_eval_user_data = None
@@ -343,6 +410,7 @@ class Context:
             raise LlamaError(f"llama.cpp could not create a context of {n_ctx} tokens: {_last_log()}")
         self.n_ctx = int(L.llama_n_ctx(self.ptr))
         self.max_band = int(cp.n_batch)
+        self.swa_full = bool(cp.swa_full)
         self.mem: int | None = L.llama_get_memory(self.ptr)  # llama_memory_t
         self.batch: ctypes.Structure = L.llama_batch_init(self.max_band, 0, 1)  # llama_batch
         self.n_vocab = model.n_vocab

@@ -223,7 +223,7 @@ def describe(eng: Engine, r: RequestOutput, n_ctx: int, comparison: Q1Comparison
     """A request's result with the engine's model, library and settings."""
     s = eng.settings
     return PrefillResult(
-        model=str(eng.info.path), architecture=eng.info.architecture, library=Library(s.lib, str(eng.lib_dir)),
+        model=str(eng.info.path), architecture=eng.info.architecture, library=Library(s.lib, str(eng.lib_dir), s.cpu),
         bands_on=s.bands, chunk=s.chunk, chunk_requested=s.chunk_requested,
         band_mode="fixed" if s.fixed else "planner", mmvq_max_ncols=s.mmvq_max_ncols, qualification=s.qualified,
         threads=eng.threads, n_ctx=n_ctx, device=eng.device, devices=eng.placement, repack=eng.repack,

@@ -1,82 +1,132 @@
-"""Qualification records: which band widths one library, model and device are proven exact at.
+"""Qualification records: which band widths one library, model and device are proven exact at,
+for prompts of how many tokens, under which run-time conditions.
 
-`dflash qualify` writes one record per (library build key, model SHA-256, device) into the user
-cache, <cache_root()>/qualifications/<key>.json, merged with what that file already held (a width
-run again replaces its old verdict), and this run's verdicts into its evidence directory as
+`dflash qualify` writes one record per identity (below) into the user cache,
+<cache_root()>/qualifications/<key>.json, merged with what that file already held (a width run
+again replaces its old verdict), and this run's verdicts into its evidence directory as
 qualification.json. `--chunk auto` and `--chunk N` (N > 4) read it:
 
-    {"schema": "dflash.qualification", "schema_version": 1, "key": "<24 hex>",
-     "library": {"flavor": "exact", "source": "build", "key": "<build key>"},
+    {"schema": "dflash.qualification", "schema_version": 2, "key": "<24 hex>",
+     "library": {"flavor": "exact", "source": "build", "key": "<build key>", "cpu": "native"},
      "model": {"sha256": "<64 hex>", "path": "/path/model.gguf"},
-     "device": "cpu", "updated_utc": "2025-01-01T00:00:00Z",
-     "widths": [{"width": 8, "planner_exact": true, "planner_widest_band": 4,
-                 "fixed_exact": true, "fixed_widest_band": 8, "evidence_dir": "/path/ev"}, ...]}
+     "device": "cpu",
+     "runtime": {"cpu_buffer_types": ["AMX", "CPU_REPACK"], "amx": true, "kernel_switches": {},
+                 "host": null, "kv_cache": "full"},
+     "updated_utc": "2025-01-01T00:00:00Z",
+     "widths": [{"width": 8, "planner_exact": true, "planner_widest_band": 4, "fixed_exact": true,
+                 "fixed_widest_band": 8, "positions": 389, "evidence_dir": "/path/ev"}, ...]}
 
-library.source is "build" (key: dflash.build.build_key of the flavor) or "dir" (key: SHA-256
-over the libllama*/libggml* files of DFLASH_LLAMA_LIB_DIR); for a GPU device the library key also
-covers the routing flags DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS (they decide which kernels
-run there; on the CPU they change nothing). `key` is derived from the flavor,
-library key, model SHA-256 and device. Per width: the planner run at that cap and the fixed-width
-run (bands of exactly that width across compressor boundaries) matched q1 or not, and the widest
-band each really decoded (width 1: both are the q1 repeat).
+The identity, and `key` derived from all of it:
+  library   the flavor, the CPU build variant (`cpu`: native, avx512, avx512-noamx, avx2), and
+            source "build" (key: dflash.build.build_key of flavor, GPU backend and variant, which
+            hashes the host's CPU flags) or "dir" (key: SHA-256 over the libllama*/libggml* files of
+            DFLASH_LLAMA_LIB_DIR). On a GPU the key also covers the routing flags
+            DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS, and DFLASH_DS4_INDEXER_SHORTCUT when it is not
+            on; plain CPU buffers (--no-repack) and the RPC servers' builds enter it too.
+  model     the GGUF's SHA-256.  device  the canonical --device.
+  runtime   cpu_buffer_types: the extra buffer types the library's CPU device offered the run
+            (llama.cpu_extra_buffer_types; null when the CPU holds no weights in them: plain
+            buffers, --no-repack and RPC runs, or every layer on GPUs), so "AMX" only where the kernel
+            granted AMX to the process: a record made with AMX does not vouch for a run without it,
+            whose weights go to other kernels; `amx` says which. kernel_switches: every switch of
+            dflash.graph_switches.ENV_SWITCHES set in the process environment (which llama.cpp
+            reads), e.g. GGML_CPU_TILED_MM=0. host: a fingerprint of the CPU (model, flags) for a
+            "dir" library, whose files say nothing about the host. kv_cache: "full" (swa_full, what
+            dflash pins on every context) or "window" (a window-sized cache, never vouched for by
+            a "full" record).
+
+Per width: the planner run at that cap and the fixed-width run (bands of exactly that width across
+compressor boundaries) matched q1 or not, the widest band each really decoded (width 1: both are
+the q1 repeat), and `positions`, the length of the prompt those runs prefilled.
 
 A record proves width N in a mode (fixed or planner) when that mode's run is exact at N and at
 every narrower width the record holds; fixed is preferred (it is what decodes N-wide bands on
-DeepSeek V4). `auto` takes the widest width proven in either mode, 1 (q1) when none is.
+DeepSeek V4). For a prompt of n tokens, N's own verdict must come from a prompt of at least n
+tokens (`covered`: the length a proof holds for); a narrower width found inexact stops the proof
+at every length. `auto` takes the widest width proven in either mode, 1 (q1) when none is. A
+request whose prompt is longer than its proof covers falls back (`for_prompt`): auto to the
+widest wide width the record proves for that length, else to at most 4 (the narrow bands, which
+need no record), with one warning line; an explicit N > 4 is refused.
 
 One writer (`write`) and one reader (`read`); the reader is strict, and `load` turns a corrupt
 record into no record with one warning line.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shlex
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import build, devices, gguf_meta, paths, tiny_model
+from . import build, devices, gguf_meta, graph_switches, llama, paths, tiny_model
+from .cpu_isa import CPU_VARIANTS, NATIVE
 from .errors import DflashError, UsageError, arg
 from .fileio import sha256_file, write_atomic
 from .rpc import Remote
 from .settings import AUTO, ENV_LIB_DIR, FIXED, LIBS, MAX_BAND, MAX_CHUNK, PLANNER, Chunk, Qualified, Settings
 
 SCHEMA = "dflash.qualification"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FILE_NAME = "qualification.json"  # its name in an evidence directory
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 SOURCES = ("build", "dir")
-_KEYS = {"schema", "schema_version", "key", "library", "model", "device", "updated_utc", "widths"}
-_WIDTH_KEYS = {"width", "planner_exact", "planner_widest_band", "fixed_exact", "fixed_widest_band",
+KV_CACHES = ("full", "window")  # swa_full true (dflash's contexts), or a window-sized cache
+MAX_POSITIONS = 2**32 - 1       # llama_context_params.n_ctx is 32 bits
+_KEYS = {"schema", "schema_version", "key", "library", "model", "device", "runtime", "updated_utc", "widths"}
+_RUNTIME_KEYS = {"cpu_buffer_types", "amx", "kernel_switches", "host", "kv_cache"}
+_WIDTH_KEYS = {"width", "planner_exact", "planner_widest_band", "fixed_exact", "fixed_widest_band", "positions",
                "evidence_dir"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX = re.compile(r"[0-9a-f]{16,64}")
 _DEVICE = re.compile(r"(cpu|hip:\d+|cuda:\d+|rpc:\d+)(,(cpu|hip:\d+|cuda:\d+|rpc:\d+))*")
+_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # a buffer type's or a switch's name
 
 Warn = Callable[[str], None]
+BufferTypes = tuple[str, ...] | None  # the CPU's extra buffer types; None: the CPU holds no weights in them
 
 
 class RecordError(ValueError):
     """A qualification record is unreadable, malformed or not the one asked for."""
 
 
+class RuntimeUnknown(DflashError):
+    """Which CPU buffer types the run's library offers cannot be learned (not built, probe failed)."""
+
+
 @dataclass(frozen=True)
 class Identity:
-    """What a record is about: the library, the model and the device."""
+    """What a record is about: the library, the model, the device and the run-time conditions
+    (see the module doc)."""
     flavor: str
     library_source: str  # "build" or "dir"
     library_key: str
     model_sha256: str
     device: str          # "cpu", "hip:N" or "hip:N,hip:M"
+    cpu: str = NATIVE    # the CPU build variant
+    cpu_buffer_types: BufferTypes = ()
+    kernel_switches: tuple[tuple[str, str], ...] = ()
+    host: str | None = None
+    kv_cache: str = "full"
+
+    @property
+    def amx(self) -> bool | None:
+        """Whether the run had AMX (the CPU offered its AMX buffer type); None with plain buffers."""
+        return None if self.cpu_buffer_types is None else "AMX" in self.cpu_buffer_types
 
     @property
     def key(self) -> str:
-        text = "|".join((self.flavor, self.library_source, self.library_key, self.model_sha256, self.device))
+        bufts = "plain" if self.cpu_buffer_types is None else ",".join(self.cpu_buffer_types)
+        switches = ";".join(f"{k}={v}" for k, v in self.kernel_switches)
+        text = "|".join((self.flavor, self.library_source, self.library_key, self.model_sha256, self.device,
+                         f"cpu={self.cpu}", f"bufts={bufts}", f"switches={switches}", f"host={self.host or ''}",
+                         f"kv={self.kv_cache}"))
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -88,6 +138,7 @@ class Verdict:
     fixed_exact: bool
     fixed_widest_band: int
     evidence_dir: str | None = None
+    positions: int = 0  # the prompt's length (tokens) the runs prefilled; 0: covers nothing
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,18 @@ class Record:
     widths: tuple[Verdict, ...]  # sorted by width, one per width
 
 
+@dataclass(frozen=True)
+class Covered(Qualified):
+    """The Qualified a lookup returns: also the longest prompt the proof covers, and the record's
+    verdicts (for_prompt picks from them for a longer prompt)."""
+    positions: int = 0
+    verdicts: tuple[Verdict, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "key": self.key, "width": self.width, "mode": self.mode,
+                "positions": self.positions}
+
+
 def now_utc() -> str:
     return datetime.now(timezone.utc).strftime(TIME_FORMAT)
 
@@ -105,10 +168,12 @@ def now_utc() -> str:
 # ---------------------------------------------------------------------------------------------
 # What a record proves (pure)
 
-def proven_mode(verdicts: Iterable[Verdict], width: int) -> str | None:
-    """FIXED or PLANNER when the record proves `width` in that mode (see the module doc)."""
+def proven_mode(verdicts: Iterable[Verdict], width: int, n_tokens: int | None = None) -> str | None:
+    """FIXED or PLANNER when the record proves `width` in that mode (see the module doc), for
+    prompts of `n_tokens` when given: the width's own verdict must come from a prompt at least that
+    long; a narrower width found inexact at any length stops the proof."""
     vs = list(verdicts)
-    at = [v for v in vs if v.width == width]
+    at = [v for v in vs if v.width == width and (n_tokens is None or v.positions >= n_tokens)]
     narrower = [v for v in vs if v.width < width]
     if at and at[0].fixed_exact and all(v.fixed_exact for v in narrower):
         return FIXED
@@ -117,15 +182,25 @@ def proven_mode(verdicts: Iterable[Verdict], width: int) -> str | None:
     return None
 
 
-def widest_proven(verdicts: Iterable[Verdict], fits: Callable[[int], bool] | None = None) -> tuple[int, str]:
+def widest_proven(verdicts: Iterable[Verdict], fits: Callable[[int], bool] | None = None,
+                  n_tokens: int | None = None) -> tuple[int, str]:
     """(width, mode) that `--chunk auto` runs: the widest proven width (that `fits`, with
-    --memory-budget); (1, planner) = q1 if none."""
+    --memory-budget; for prompts of `n_tokens` when given); (1, planner) = q1 if none."""
     vs = list(verdicts)
     for v in sorted(vs, key=lambda v: v.width, reverse=True):
-        mode = proven_mode(vs, v.width)
+        mode = proven_mode(vs, v.width, n_tokens)
         if mode and (fits is None or v.width == 1 or fits(v.width)):
             return v.width, mode
     return 1, PLANNER
+
+
+def covered(verdicts: Iterable[Verdict], width: int, mode: str) -> int:
+    """The longest prompt (tokens) for which the record proves `width` in `mode`: the length its
+    verdict was qualified on; 0 when it does not prove it."""
+    vs = list(verdicts)
+    if proven_mode(vs, width) != mode:
+        return 0
+    return max(v.positions for v in vs if v.width == width)
 
 
 def merge(old: Record | None, new: Record) -> Record:
@@ -141,11 +216,18 @@ def merge(old: Record | None, new: Record) -> Record:
 
 def to_json(r: Record) -> dict[str, Any]:
     i = r.identity
+    bufts = None if i.cpu_buffer_types is None else list(i.cpu_buffer_types)
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "key": i.key,
-            "library": {"flavor": i.flavor, "source": i.library_source, "key": i.library_key},
+            "library": {"flavor": i.flavor, "source": i.library_source, "key": i.library_key, "cpu": i.cpu},
             "model": {"sha256": i.model_sha256, "path": r.model_path},
-            "device": i.device, "updated_utc": r.updated_utc,
-            "widths": [asdict(v) for v in r.widths]}
+            "device": i.device,
+            "runtime": {"cpu_buffer_types": bufts, "amx": i.amx, "kernel_switches": dict(i.kernel_switches),
+                        "host": i.host, "kv_cache": i.kv_cache},
+            "updated_utc": r.updated_utc,
+            "widths": [{"width": v.width, "planner_exact": v.planner_exact,
+                        "planner_widest_band": v.planner_widest_band, "fixed_exact": v.fixed_exact,
+                        "fixed_widest_band": v.fixed_widest_band, "positions": v.positions,
+                        "evidence_dir": v.evidence_dir} for v in r.widths]}
 
 
 def render(r: Record) -> bytes:
@@ -176,9 +258,29 @@ def _verdict(i: int, d: Any) -> Verdict:  # d: a JSON value, checked here
     for mode in ("planner", "fixed"):
         _need(type(d[f"{mode}_exact"]) is bool, f"widths[{i}].{mode}_exact is not true or false")
         _need(_is_int(d[f"{mode}_widest_band"], 1, w), f"widths[{i}].{mode}_widest_band is not in 1..{w}")
+    _need(_is_int(d["positions"], 1, MAX_POSITIONS), f"widths[{i}].positions is not in 1..{MAX_POSITIONS}")
     _need(d["evidence_dir"] is None or isinstance(d["evidence_dir"], str),
           f"widths[{i}].evidence_dir is not a string or null")
     return Verdict(**d)
+
+
+def _runtime(rt: Any) -> dict[str, Any]:
+    _need(isinstance(rt, dict) and set(rt) == _RUNTIME_KEYS,
+          f"runtime must have exactly the keys {sorted(_RUNTIME_KEYS)}")
+    b = rt["cpu_buffer_types"]
+    _need(b is None or (isinstance(b, list) and all(isinstance(x, str) and _NAME.fullmatch(x) for x in b)),
+          "runtime.cpu_buffer_types is not a list of names or null")
+    bufts = None if b is None else tuple(b)
+    _need(rt["amx"] is (None if bufts is None else "AMX" in bufts),
+          "runtime.amx does not say whether cpu_buffer_types holds AMX")
+    sw = rt["kernel_switches"]
+    _need(isinstance(sw, dict) and all(_NAME.fullmatch(k) and isinstance(v, str) for k, v in sw.items()),
+          "runtime.kernel_switches is not an object of names and strings")
+    _need(rt["host"] is None or (isinstance(rt["host"], str) and _HEX.fullmatch(rt["host"]) is not None),
+          "runtime.host is not hex or null")
+    _need(rt["kv_cache"] in KV_CACHES, f"runtime.kv_cache is not one of {', '.join(KV_CACHES)}")
+    return {"cpu_buffer_types": bufts, "kernel_switches": tuple(sw.items()), "host": rt["host"],
+            "kv_cache": rt["kv_cache"]}
 
 
 def parse(raw: bytes) -> Record:
@@ -195,20 +297,22 @@ def parse(raw: bytes) -> Record:
     _need(type(v) is int and v == SCHEMA_VERSION, f"schema_version is {v!r}, this dflash reads {SCHEMA_VERSION}")
     _need(set(d) == _KEYS, f"keys missing {sorted(_KEYS - set(d))} or unknown {sorted(set(d) - _KEYS)}")
     lib, model = d["library"], d["model"]
-    _need(isinstance(lib, dict) and set(lib) == {"flavor", "source", "key"} and lib["flavor"] in LIBS
-          and lib["source"] in SOURCES and isinstance(lib["key"], str) and _HEX.fullmatch(lib["key"]) is not None,
-          "library is not {\"flavor\": exact|stock, \"source\": build|dir, \"key\": <hex>}")
+    _need(isinstance(lib, dict) and set(lib) == {"flavor", "source", "key", "cpu"} and lib["flavor"] in LIBS
+          and lib["source"] in SOURCES and isinstance(lib["key"], str) and _HEX.fullmatch(lib["key"]) is not None
+          and lib["cpu"] in CPU_VARIANTS,
+          "library is not {\"flavor\": exact|stock, \"source\": build|dir, \"key\": <hex>, \"cpu\": <variant>}")
     _need(isinstance(model, dict) and set(model) == {"sha256", "path"} and isinstance(model["sha256"], str)
           and _HEX64.fullmatch(model["sha256"]) is not None and isinstance(model["path"], str),
           "model is not {\"sha256\": <64 lowercase hex>, \"path\": <string>}")
     _need(isinstance(d["device"], str) and _DEVICE.fullmatch(d["device"]) is not None,
           f"device {d['device']!r} is not a --device (cpu, hip:N, cuda:N, rpc:N, joined by commas)")
+    rt = _runtime(d["runtime"])
     _need(_is_time(d["updated_utc"]), f"updated_utc {d['updated_utc']!r} is not {TIME_FORMAT}")
     _need(isinstance(d["widths"], list) and len(d["widths"]) > 0, "widths is not a non-empty list")
     widths = tuple(_verdict(i, x) for i, x in enumerate(d["widths"]))
     _need([v.width for v in widths] == sorted({v.width for v in widths}), "widths are not sorted and unique")
-    ident = Identity(lib["flavor"], lib["source"], lib["key"], model["sha256"], d["device"])
-    _need(d["key"] == ident.key, "key does not match the library, model and device it names")
+    ident = Identity(lib["flavor"], lib["source"], lib["key"], model["sha256"], d["device"], lib["cpu"], **rt)
+    _need(d["key"] == ident.key, "key does not match the library, model, device and runtime it names")
     return Record(ident, model["path"], d["updated_utc"], widths)
 
 
@@ -239,14 +343,14 @@ def record_path(identity: Identity) -> Path:
 
 def load(identity: Identity, warn: Warn) -> Record | None:
     """The stored record for `identity`; None when there is none, or (with one warning line) when
-    it is corrupt or names another library, model or device."""
+    it is corrupt or names another identity."""
     path = record_path(identity)
     if not path.exists():
         return None
     try:
         r = read(path)
         if r.identity != identity:
-            raise RecordError(f"{path}: names another library, model or device")
+            raise RecordError(f"{path}: names another library, model, device or runtime")
         return r
     except RecordError as e:
         warn(f"ignoring qualification record {e}")
@@ -285,19 +389,55 @@ def device_name(device: str) -> str:
 
 
 def library_key(settings: Settings, kind: str = "cpu") -> tuple[str, str]:
-    """(source, key) of the library a run loads: "build" and dflash.build.build_key of the flavor
-    (and GPU backend), or "dir" and dir_key of DFLASH_LLAMA_LIB_DIR. On a GPU the key also covers
-    the routing flags (they decide which kernels run there)."""
+    """(source, key) of the library a run loads: "build" and dflash.build.build_key of the flavor,
+    GPU backend and CPU variant, or "dir" and dir_key of DFLASH_LLAMA_LIB_DIR. On a GPU the key also
+    covers the routing flags (they decide which kernels run there)."""
     if settings.lib_dir:
         source, key = "dir", dir_key(Path(settings.lib_dir))
-    else:  # a GPU run loads that backend's build of the flavor
-        source, key = "build", build.build_key(settings.lib, "none" if kind == "cpu" else kind)
+    else:  # a GPU run loads that backend's build of the flavor (its CPU backend is the native one)
+        gpu = "none" if kind == "cpu" else kind
+        source, key = "build", build.build_key(settings.lib, gpu, cpu_variant(settings, kind))
     if kind != "cpu":  # on a GPU the library's routing flags decide which kernels run: part of the key
         routing = f"{key}|narrow={int(settings.narrow)}|ncols={settings.mmvq_max_ncols}"
         key = hashlib.sha256(routing.encode()).hexdigest()[:16]
     if settings.indexer_shortcut != "on":  # another graph (off), or a planted bug (force): not vouched for
         key = hashlib.sha256(f"{key}|indexer_shortcut={settings.indexer_shortcut}".encode()).hexdigest()[:16]
     return source, key
+
+
+def cpu_variant(settings: Settings, kind: str = "cpu") -> str:
+    """The CPU build variant a run loads (--cpu; a GPU build and DFLASH_LLAMA_LIB_DIR: native)."""
+    cpu = getattr(settings, "cpu", NATIVE)
+    return cpu if kind == "cpu" and not settings.lib_dir else NATIVE
+
+
+def run_library_dir(settings: Settings, kind: str = "cpu") -> Path:
+    """The library folder a run loads (as dflash.engine.library_dir picks it, without building)."""
+    if settings.lib_dir:
+        return Path(settings.lib_dir)
+    return build.library_dir(settings.lib, "none" if kind == "cpu" else kind, cpu_variant(settings, kind))
+
+
+def offered_buffer_types(settings: Settings, kind: str = "cpu") -> tuple[str, ...]:
+    """The CPU extra buffer types the run's library offers: asked in this process when it loaded that
+    library, else in a probe process (llama.probe_cpu_extra_buffer_types) with the environment the
+    run will have. RuntimeUnknown when the library is not built, or the probe fails."""
+    d = run_library_dir(settings, kind)
+    if not (d / "libllama.so").is_file():
+        raise RuntimeUnknown(f"the library {d} is not built yet: which CPU buffer types it offers is not known")
+    loaded = llama.library_dir()
+    if loaded is not None and loaded == d.resolve():
+        return llama.cpu_extra_buffer_types()
+    env = {**os.environ, **settings.library_env()}
+    return _probed(str(d.resolve()), tuple(sorted(env.items())))
+
+
+@functools.lru_cache(maxsize=8)
+def _probed(lib_dir: str, env: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    try:
+        return llama.probe_cpu_extra_buffer_types(lib_dir, dict(env))
+    except DflashError as e:
+        raise RuntimeUnknown(str(e)) from None
 
 
 def build_id(settings: Settings, kind: str = "cpu") -> str:
@@ -308,18 +448,38 @@ def build_id(settings: Settings, kind: str = "cpu") -> str:
     return f"{settings.lib}-{key}" if source == "build" else f"{settings.lib}-dir-{key[:16]}"
 
 
+_ASK = object()  # identity(): ask the library which CPU buffer types it offers
+
+
 def identity(settings: Settings, model_path: str | os.PathLike[str], device: str = "cpu",
-             remote: Remote | None = None, repack: bool = True) -> Identity:
-    """What a record is about. Plain CPU buffers (--no-repack, and every run with RPC devices) run
-    other kernels than AMX and repacked ones, and what RPC servers run is part of the run: both
-    enter the library key."""
+             remote: Remote | None = None, repack: bool = True, *, cpu_buffer_types: Any = _ASK,
+             env: Mapping[str, str] | None = None, kv_cache: str = "full") -> Identity:
+    """What a record is about (see the module doc). Plain CPU buffers (--no-repack, and every run
+    with RPC devices) run other kernels than AMX and repacked ones, and what RPC servers run is part
+    of the run: both enter the library key. `cpu_buffer_types`: what the CPU offers (default: ask the
+    library, offered_buffer_types); not asked, and None in the identity, when the CPU holds no
+    weights in them (plain buffers, or no layer on the CPU). `env`: the process environment
+    llama.cpp reads its kernel switches from (default os.environ)."""
     from .provenance import file_sha256  # records imports the engine; keep this module light
-    source, key = library_key(settings, devices.device_kind(device))
+    kind = devices.device_kind(device)
+    source, key = library_key(settings, kind)
+    # the CPU's extra buffer types serve its layers' weights: none with plain buffers, none when
+    # every layer is on other devices (hip:N, a GPU split, rpc:N)
+    plain = remote is not None or not repack or "cpu" not in devices.parse_spec(device).entries
     if remote is not None:
         key = hashlib.sha256(f"{key}|rpc={remote.identity}".encode()).hexdigest()[:16]
     elif not repack:
         key = hashlib.sha256(f"{key}|no-repack".encode()).hexdigest()[:16]
-    return Identity(settings.lib, source, key, file_sha256(str(model_path)), device_name(device))
+    if plain:
+        bufts: BufferTypes = None
+    else:
+        bufts = tuple(offered_buffer_types(settings, kind) if cpu_buffer_types is _ASK else cpu_buffer_types)
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache {kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+    switches = graph_switches.kernel_switches(os.environ if env is None else env, gpu=kind != "cpu")
+    return Identity(settings.lib, source, key, file_sha256(str(model_path)), device_name(device),
+                    cpu_variant(settings, kind), bufts, switches,
+                    graph_switches.host_fingerprint() if source == "dir" else None, kv_cache)
 
 
 def model_file(model: str | None, weights: str) -> Path | None:
@@ -356,26 +516,79 @@ def qualify_command(model: str | None, weights: str, lib: str, device: str, widt
 AUTO_WIDTHS = "4,8,16,32,64"  # what the note for `--chunk auto` without a record suggests
 
 
+def describe_runtime(i: Identity) -> str:
+    """The run-time part of an identity in words, for messages."""
+    bufts = "plain buffers" if i.cpu_buffer_types is None else \
+        f"CPU buffer types {','.join(i.cpu_buffer_types) or 'none'} ({'with' if i.amx else 'without'} AMX)"
+    switches = " ".join(f"{k}={v}" for k, v in i.kernel_switches) or "none"
+    return f"{i.cpu} build, {bufts}, kernel switches {switches}"
+
+
 def lookup(settings: Settings, chunk: Chunk, model: str | None, weights: str, device: str,
            warn: Warn, note: Warn, remote: Remote | None = None, repack: bool = True,
            fits: Callable[[int], bool] | None = None) -> Qualified | None:
-    """What the record of this library, model and device (and RPC servers' builds) proves for
-    --chunk `chunk` (auto or N > 4). No proof: N > 4 is a UsageError naming the qualify command;
-    auto notes that it runs 4."""
+    """What the record of this library, model, device and run-time conditions (and RPC servers'
+    builds) proves for --chunk `chunk` (auto or N > 4): a Covered, which also says the longest
+    prompt the proof covers. No proof: N > 4 is a UsageError naming the qualify command; auto notes
+    that it runs 4."""
     path = model_file(model, weights)
-    rec = load(identity(settings, path, device, remote, repack), warn) if path else None
+    rec, ident, unknown = None, None, ""
+    if path:
+        try:
+            ident = identity(settings, path, device, remote, repack)
+        except RuntimeUnknown as e:
+            unknown = f" ({e})"
+        rec = load(ident, warn) if ident is not None else None
     if rec is not None:
         if isinstance(chunk, int):
             width, mode = chunk, proven_mode(rec.widths, chunk)
         else:
             width, mode = widest_proven(rec.widths, fits)
         if mode:
-            return Qualified(str(record_path(rec.identity)), rec.identity.key, width, mode)
+            return Covered(str(record_path(rec.identity)), rec.identity.key, width, mode,
+                           covered(rec.widths, width, mode), rec.widths)
     cmd = qualify_command(model, weights, settings.lib, device, AUTO_WIDTHS if chunk == AUTO else str(chunk), remote,
                           repack)
+    what = "library, model and device" if ident is None else \
+        f"library, model, device and run-time conditions ({describe_runtime(ident)})"
     if chunk != AUTO:
         raise UsageError(f"{arg('chunk')} {chunk}: no qualification record proves width {chunk} exact for this "
-                         f"library, model and device: run `{cmd}`")
-    note(f"--chunk auto: no qualification record for this library, model and device, running "
+                         f"{what}{unknown}: run `{cmd}`")
+    note(f"--chunk auto: no qualification record for this {what}{unknown}, running "
          f"{MAX_BAND} (to qualify wider bands run `{cmd}`)")
     return None
+
+
+def for_prompt(settings: Settings, n_tokens: int) -> tuple[Settings, str | None]:
+    """The settings a request of `n_tokens` prompt tokens runs with, and the warning line when they
+    are not `settings`: a record-backed width whose proof covers shorter prompts only falls back,
+    for --chunk auto, to the widest wide width the record proves for that length (among the
+    narrower ones), else to at most 4 (the narrow bands, which need no record; narrower than a
+    width the record found inexact); an explicit --chunk N > 4 is a UsageError. A Qualified that
+    states no coverage (not a Covered) covers nothing."""
+    q = settings.qualified
+    if q is None or not settings.bands:
+        return settings, None
+    pos = q.positions if isinstance(q, Covered) else 0
+    if n_tokens <= pos:
+        return settings, None
+    vs = q.verdicts if isinstance(q, Covered) else ()
+    beyond = (f"the prompt has {n_tokens} tokens, more than the {pos} that the qualification record "
+              f"{q.path} covers at width {q.width}")
+    longer = f"run `dflash qualify` with a prompt of at least {n_tokens} tokens (--prompt-file)"
+    if settings.chunk_requested != AUTO:
+        mode = proven_mode(vs, q.width, n_tokens)
+        if mode is None:
+            raise UsageError(f"{arg('chunk')} {q.width}: {beyond}: {longer} to prove width {q.width} for it")
+        return replace(settings, qualified=Covered(q.path, q.key, q.width, mode, covered(vs, q.width, mode), vs)), None
+    narrower = [v for v in vs if v.width <= q.width]
+    width, mode = widest_proven(narrower, n_tokens=n_tokens)
+    if width > MAX_BAND:
+        new = Covered(q.path, q.key, width, mode, covered(narrower, width, mode), vs)
+        return (replace(settings, chunk=width, qualified=new),
+                f"--chunk auto: {beyond}: running width {width}, which it proves for up to {new.positions} tokens")
+    # the narrow bands need no record, unless the record found one of them inexact (at any length)
+    width = max(1, min([MAX_BAND, q.width] + [v.width - 1 for v in vs if not v.planner_exact]))
+    return (replace(settings, chunk=width, qualified=None),
+            f"--chunk auto: {beyond}: running {width} (narrow bands, no record needed); to vouch for wider "
+            f"bands on it, {longer}")

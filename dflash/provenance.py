@@ -118,7 +118,7 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
                        "weight_types": eng.info.weight_types},
         "prompt.json": {"text_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
                         "tokens_sha256": sha256_tokens(tokens), "n_tokens": len(tokens)},
-        "settings.json": {"bands": s.bands, "chunk": s.chunk, "cap": s.cap, "lib": s.lib,
+        "settings.json": {"bands": s.bands, "chunk": s.chunk, "cap": s.cap, "lib": s.lib, "cpu": s.cpu,
                           "chunk_requested": s.chunk_requested, "band_mode": "fixed" if s.fixed else "planner",
                           "qualification": s.qualified.to_json() if s.qualified else None,
                           "mmvq_max_ncols": s.mmvq_max_ncols, "bands_from": s.bands_from,

@@ -33,6 +33,12 @@ band mode: fixed-width bands across compressor boundaries when the fixed-width r
 else the planner. A fixed-width run must really decode a band of its width: the prompt parts
 before and after the resume point must be long enough (the default prompt is repeated until it
 has more than 2 * widest + 8 tokens).
+
+Length: the record's verdicts cover prompts of up to this prompt's length (proofs: `positions`);
+a longer prompt is not vouched for (--chunk auto falls back, proofs.for_prompt). The coverage lists
+the architecture's graph switches that flip at a position (dflash/graph_switches.py) among the
+crossings: the compress ratios and the sliding window must be crossed; the others need not, and a
+record whose prompt stops short of one covers nothing past it.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import diff, llama, prefill, proofs, provenance, settings
+from . import diff, graph_switches, llama, prefill, proofs, provenance, settings
 from .bands import BOUNDARY, START, TAIL, Band, fixed_bands, positive_ratios
 from .engine import Engine
 from .errors import UsageError, arg
@@ -78,13 +84,14 @@ def long_prompt(base: str, tokenize: Callable[[str], list[int]], widest: int) ->
     return text, tokens
 
 
-def verdicts(results: Iterable[WidthResult], evidence_dir: str | None = None) -> tuple[proofs.Verdict, ...]:
+def verdicts(results: Iterable[WidthResult], evidence_dir: str | None = None,
+             positions: int = 0) -> tuple[proofs.Verdict, ...]:
     """The qualification record's per-width verdicts from qualify's results (width 1: both runs
-    are the q1 repeat)."""
+    are the q1 repeat); `positions`: the prompt's length, what they cover."""
     out = []
     for r in results:
         p, f = r.planner, r.fixed or r.planner
-        out.append(proofs.Verdict(r.width, p.exact, p.widest_band, f.exact, f.widest_band, evidence_dir))
+        out.append(proofs.Verdict(r.width, p.exact, p.widest_band, f.exact, f.widest_band, evidence_dir, positions))
     return tuple(out)
 
 
@@ -103,8 +110,12 @@ def recommend(exact_by_cap: dict[int, bool], widest_by_cap: dict[int, int] | Non
 
 
 def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, resume_at: int,
-             plans: dict[int, list[Band]], fixed: dict[int, list[Band]] | None = None) -> dict:
-    """What the prompt and schedules cover; `missing` lists what a qualification needs but lacks."""
+             plans: dict[int, list[Band]], fixed: dict[int, list[Band]] | None = None,
+             switches: Iterable[tuple[str, int]] = ()) -> dict:
+    """What the prompt and schedules cover; `missing` lists what a qualification needs but lacks.
+    `switches`: the architecture's other position switches (graph_switches.position_switches):
+    listed among the crossings, not required (a record covers no prompt longer than its own, so one
+    the prompt does not cross is not vouched for)."""
     rs = positive_ratios(ratios)
     # crossed: the prompt holds the first position a boundary changes: r, the first to see a
     # ratio-r compressed row (emitted at r - 1), and sw, the first whose window drops position 0
@@ -112,10 +123,12 @@ def coverage(n_tokens: int, ratios: Iterable[int], sliding_window: int | None, r
     if sliding_window:
         crossings.append({"what": f"sliding window {sliding_window}", "position": sliding_window,
                           "crossed": n_tokens > sliding_window})
+    crossings += [{"what": what, "position": p, "crossed": n_tokens > p} for what, p in switches]
     with_reason = {reason: sorted(w for w, plan in plans.items() if any(b.reason == reason for b in plan))
                    for reason in (START, TAIL, BOUNDARY)}
     unaligned = 0 < resume_at < n_tokens and all(resume_at % r for r in rs)
-    missing = [f"the prompt ({n_tokens} tokens) does not cross the {c['what']}" for c in crossings
+    required = len(rs) + (1 if sliding_window else 0)
+    missing = [f"the prompt ({n_tokens} tokens) does not cross the {c['what']}" for c in crossings[:required]
                if not c["crossed"]]
     if not unaligned:
         missing.append(f"resume point {resume_at} is not an unaligned position inside the prompt")
@@ -231,7 +244,9 @@ def qualify(eng: Engine, tap: llama.GraphTap, tokens: list[int], widths: Iterabl
     fixed = {w: fixed_bands(resume_at, w, mmvq_max_ncols=m) + fixed_bands(n - resume_at, w, resume_at, m)
              for w in ws if w > 1}
     eng.context_size(n, n_predict, None)  # fail early when it does not fit
-    cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans, fixed)
+    arch = eng.info.architecture
+    switches = graph_switches.position_switches(arch, graph_switches.read_meta(eng.info.path, arch))
+    cov = coverage(n, eng.info.compress_ratios, eng.info.sliding_window, resume_at, plans, fixed, switches)
     if cov["missing"]:
         raise UsageError("the prompt/schedules do not cover what qualify checks: " + "; ".join(cov["missing"])
                          + " (use a longer --prompt, other --widths or --resume-at)")
@@ -262,7 +277,7 @@ def qualify(eng: Engine, tap: llama.GraphTap, tokens: list[int], widths: Iterabl
     chunk, mode = proofs.widest_proven(verdicts(results))
     report = QualifyReport(
         model=eng.info.path, architecture=eng.info.architecture,
-        library=Library(eng.settings.lib, str(eng.lib_dir)), threads=eng.threads, n_tokens=n,
+        library=Library(eng.settings.lib, str(eng.lib_dir), eng.settings.cpu), threads=eng.threads, n_tokens=n,
         n_predict=n_predict, resume_at=resume_at, widths=tuple(ws), coverage=cov, moe=moe,
         routing_layers=tuple(routing_layers(ref.routing)),
         reference=request_record(ref, True) | {"response_tokens": ref.result.response_tokens},
@@ -283,7 +298,7 @@ def qualify_and_record(eng: Engine, text: str, tokens: list[int], writer: Eviden
     tap = llama.GraphTap(lambda name: ROUTING_NODE.fullmatch(name) is not None)
     report, requests = qualify(eng, tap, tokens, widths, resume_at, n_predict, progress)
     record = proofs.Record(ident, str(eng.info.path), proofs.now_utc(),
-                                  verdicts(report.results, str(writer.final_dir)))
+                           verdicts(report.results, str(writer.final_dir), len(tokens)))
     writer.write_bytes(proofs.FILE_NAME, proofs.render(record))
     ref = RecordRef(str(proofs.record_path(ident)), ident.key, proofs.FILE_NAME)
     directory, sha = write_evidence(writer, provenance.provenance(eng, None, text, tokens), report, ref, requests)

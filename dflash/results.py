@@ -38,9 +38,10 @@ class Library:
     where no process loaded it, e.g. a matrix row that failed to start)."""
     flavor: str
     dir: str | None
+    cpu: str = "native"  # the CPU build variant (--cpu)
 
     def to_json(self) -> Json:
-        return {"flavor": self.flavor, "dir": self.dir}
+        return {"flavor": self.flavor, "dir": self.dir, "cpu": self.cpu}
 
 
 def _qualification(q: Qualified | None) -> Json | None:
@@ -159,7 +160,7 @@ class PrefillResult:
         requested = f.get("chunk_requested", (int, str))
         return cls(
             model=f.text("model"), architecture=f.text("architecture"),
-            library=Library(lib.text("flavor"), lib.opt_text("dir")),
+            library=Library(lib.text("flavor"), lib.opt_text("dir"), lib.opt_text("cpu") or "native"),
             bands_on=f.boolean("bands_on"), chunk=f.integer("chunk"),
             chunk_requested=requested, band_mode=f.text("band_mode"), mmvq_max_ncols=f.integer("mmvq_max_ncols"),
             qualification=None if q is None else Qualified(q.text("path"), q.text("key"), q.integer("width"),

@@ -9,11 +9,14 @@
 Everything the CLI runs goes through here: the CLI parses flags, opens a Session and renders the
 typed result. A Session
   * reads no environment and writes none after the library is loaded: the flags come from
-    `settings` (Settings.from_env() reads them, as the CLI does; default: none set);
+    `settings` (Settings.from_env() reads them, as the CLI does; default: none set). Only the
+    qualification records look at the process environment: the kernel switches llama.cpp itself
+    reads there (GGML_CPU_TILED_MM, ...; dflash/graph_switches.py) are part of a record's key;
   * builds nothing unless asked: a library that is not built raises LibraryNotBuilt naming
     `dflash build` (build=True builds it, as the CLI does);
   * chooses the width in one place (dflash/choice.py): chunk 1..4, or N > 4 and "auto" from the
-    qualification record of this library, model and device, within `memory_budget`;
+    qualification record of this library, model and device, within `memory_budget`; a request
+    whose prompt is longer than the record covers falls back, or is refused (proofs.for_prompt);
   * reports warnings through `warn` (and keeps them in `warnings`), notes through `log`;
   * raises typed errors (dflash.errors) that speak of its arguments.
 
@@ -24,6 +27,7 @@ run a Session in a worker process (dflash.worker.Worker).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,7 +39,7 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import bench as bench_mod
-from . import choice, devices, engine, evidence, llama, memory, prefill, provenance, qualify, tiny_model
+from . import choice, devices, engine, evidence, llama, memory, prefill, proofs, provenance, qualify, tiny_model
 from . import rpc as rpc_mod
 from .errors import UsageError, arg
 from .results import BenchResult, Json, Library, MemoryResult, PrefillResult, QualifyResult
@@ -190,7 +194,7 @@ class Session:
 
     @property
     def library(self) -> Library:
-        return Library(self.settings.lib, str(self.engine.lib_dir))
+        return Library(self.settings.lib, str(self.engine.lib_dir), self.settings.cpu)
 
     @property
     def threads(self) -> int:
@@ -225,6 +229,21 @@ class Session:
         """The bands this session's settings run for n_tokens from `start`."""
         return self.engine.plan(n_tokens, start)
 
+    @contextlib.contextmanager
+    def _within_record(self, n_tokens: int) -> Iterator[str | None]:
+        """The engine runs a prompt of n_tokens with the settings proofs.for_prompt gives: the
+        session's, or (a prompt longer than the qualification record covers) a fallback, whose
+        warning line is reported and yielded."""
+        eng = self.engine
+        s, msg = proofs.for_prompt(self.settings, n_tokens)
+        if msg:
+            self.warn(msg)
+        eng.settings = s
+        try:
+            yield msg
+        finally:
+            eng.settings = self.settings
+
     # -- requests ---------------------------------------------------------------------------
 
     def prefill(self, prompt: Prompt = None, *, n_predict: int = 16, logits: str = "all", compare_q1: bool = False,
@@ -243,9 +262,12 @@ class Session:
         if schedule is not None:
             explicit = bands_mod.from_widths(bands_mod.parse_schedule(schedule, len(tokens),
                                                                       self.engine.info.compress_ratios))
-        result = prefill.run_request(self.engine, tokens, self.context, n_predict=n_predict, resume_at=resume_at,
-                                     logits=logits, ctx=self.ctx if ctx is None else ctx, compare=compare_q1,
-                                     bands=explicit, progress=progress)
+        with self._within_record(len(tokens) if explicit is None else 0) as beyond:
+            result = prefill.run_request(self.engine, tokens, self.context, n_predict=n_predict, resume_at=resume_at,
+                                         logits=logits, ctx=self.ctx if ctx is None else ctx, compare=compare_q1,
+                                         bands=explicit, progress=progress)
+        if beyond:
+            result = replace(result, warnings=(*result.warnings, beyond))
         return replace(result, memory_budget=self.memory_budget)
 
     def generate(self, prompt: Prompt = None, *, max_tokens: int = 16, ctx: int | None = None) -> Iterator[Token]:
@@ -255,7 +277,8 @@ class Session:
         tokens = self.tokenize(prompt)
         eng = self.engine
         n_ctx = eng.context_size(len(tokens), max_tokens, self.ctx if ctx is None else ctx)
-        plan = eng.request_bands(len(tokens))
+        with self._within_record(len(tokens)):
+            plan = eng.request_bands(len(tokens))
         c = self.context(n_ctx, max(b.width for b in plan))
         lib = str(eng.lib_dir)
         p = prefill.prefill(c, prefill.Request(tokens, plan, max_tokens, "last"), library=lib)
@@ -295,7 +318,7 @@ class Session:
         text = engine.check_prompt(prompt)
         tokens = self.engine.tokenize(text)
         dest = Path(evidence_dir) if evidence_dir else provenance.default_evidence_dir("bench")
-        with evidence.EvidenceWriter(dest, "bench") as writer:  # a bad directory fails before the runs
+        with evidence.EvidenceWriter(dest, "bench") as writer, self._within_record(len(tokens)):
             return bench_mod.bench(self.engine, text, tokens, writer, warmup=warmup, runs=runs, interleave=interleave,
                                    n_predict=n_predict, logits=logits, device=self.engine.device, progress=progress,
                                    memory_budget=self.memory_budget)

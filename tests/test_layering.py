@@ -12,8 +12,8 @@ PKG = Path(__file__).resolve().parent.parent / "dflash"
 LAYERS: list[set[str]] = [
     # 0, the ground floor: pure logic and leaves every layer may use (the package's __init__
     # imports nothing at run time: its public names load on first use)
-    {"dflash", "errors", "stage", "paths", "fileio", "stats", "trace", "narrow", "bands", "settings", "rpc",
-     "devices", "gguf_meta"},
+    {"dflash", "errors", "stage", "paths", "cpu_isa", "fileio", "stats", "trace", "narrow", "bands", "settings", "rpc",
+     "devices", "gguf_meta", "graph_switches"},
     # 1, what talks to llama.cpp, the build, files on disk, and typed results
     {"llama", "build", "evidence", "tiny_model", "kernel_selftest", "results", "prefill", "supervisor", "serving",
      "server"},

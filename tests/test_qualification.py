@@ -22,7 +22,7 @@ def record(*verdicts, device="cpu"):
     return proofs.Record(ident(device), "/models/m.gguf", "2025-01-02T03:04:05Z", tuple(verdicts))
 
 
-ALL_EXACT = (V(1, True, 1, True, 1, "/ev"), V(4, True, 4, True, 4, "/ev"), V(8, True, 4, True, 8, "/ev"))
+ALL_EXACT = (V(1, True, 1, True, 1, "/ev", 389), V(4, True, 4, True, 4, "/ev", 389), V(8, True, 4, True, 8, "/ev", 389))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def edited(**changes):
     (b"{\"schema\": ", "not valid JSON"),
     (b"[1, 2]", "not a JSON object"),
     (edited(schema="dflash.evidence"), "schema is 'dflash.evidence'"),
-    (edited(schema_version=2), "schema_version is 2"),
+    (edited(schema_version=1), "schema_version is 1"),
     (edited(schema_version=True), "schema_version is True"),
     (edited(extra=1), "unknown ['extra']"),
     (edited(key="0" * 24), "key does not match"),
@@ -63,6 +63,18 @@ def edited(**changes):
      "fixed_widest_band is not in 1..4"),
     (edited(widths=[dataclasses.asdict(ALL_EXACT[1]), dataclasses.asdict(ALL_EXACT[0])]), "sorted and unique"),
     (edited(model={"sha256": "AB" * 32, "path": "m"}), "model is not"),
+    (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[0]), positions=0)]), "positions is not in 1.."),
+    (edited(library={"flavor": "exact", "source": "build", "key": "0123456789abcdef"}), "library is not"),
+    (edited(library={"flavor": "exact", "source": "build", "key": "0123456789abcdef", "cpu": "avx9"}),
+     "library is not"),
+    (edited(runtime={"cpu_buffer_types": ["CPU_REPACK"], "amx": True, "kernel_switches": {}, "host": None,
+                     "kv_cache": "full"}), "runtime.amx does not say"),
+    (edited(runtime={"cpu_buffer_types": None, "amx": None, "kernel_switches": {"GGML_CPU_TILED_MM": 0},
+                     "host": None, "kv_cache": "full"}), "kernel_switches is not"),
+    (edited(runtime={"cpu_buffer_types": [], "amx": False, "kernel_switches": {}, "host": None,
+                     "kv_cache": "ring"}), "kv_cache is not one of"),
+    (edited(runtime={"cpu_buffer_types": [], "amx": False, "kernel_switches": {}, "host": None}),
+     "runtime must have exactly"),
     (b"{\"schema\": NaN}", "not valid JSON"),
 ])
 def test_strict_reader(raw, needle):
@@ -89,7 +101,8 @@ def test_load_treats_a_corrupt_or_foreign_record_as_none(tmp_path, monkeypatch):
 def test_save_merges_widths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     proofs.save(record(*ALL_EXACT), print)
-    again = record(V(1, True, 1, True, 1, "/ev2"), V(8, True, 4, False, 8, "/ev2"), V(64, True, 4, True, 64, "/ev2"))
+    again = record(V(1, True, 1, True, 1, "/ev2", 99), V(8, True, 4, False, 8, "/ev2", 99),
+                   V(64, True, 4, True, 64, "/ev2", 99))
     stored = proofs.save(again, print)
     assert [(v.width, v.evidence_dir) for v in stored.widths] == [(1, "/ev2"), (4, "/ev"), (8, "/ev2"), (64, "/ev2")]
     assert proofs.read(proofs.record_path(again.identity)) == stored
@@ -117,10 +130,17 @@ def test_auto_never_picks_an_inexact_width():
 
 
 def test_identity_key_depends_on_every_part():
-    keys = {ident().key, ident("hip:0").key, dataclasses.replace(ident(), flavor="stock").key,
-            dataclasses.replace(ident(), model_sha256="cd" * 32).key,
-            dataclasses.replace(ident(), library_key="fedcba9876543210").key}
-    assert len(keys) == 5 and all(len(k) == 24 for k in keys)
+    i = ident()
+    keys = {i.key, ident("hip:0").key, dataclasses.replace(i, flavor="stock").key,
+            dataclasses.replace(i, model_sha256="cd" * 32).key,
+            dataclasses.replace(i, library_key="fedcba9876543210").key,
+            dataclasses.replace(i, cpu="avx2").key,
+            dataclasses.replace(i, cpu_buffer_types=("AMX", "CPU_REPACK")).key,
+            dataclasses.replace(i, cpu_buffer_types=None).key,
+            dataclasses.replace(i, kernel_switches=(("GGML_CPU_TILED_MM", "0"),)).key,
+            dataclasses.replace(i, host="00" * 8).key,
+            dataclasses.replace(i, kv_cache="window").key}
+    assert len(keys) == 11 and all(len(k) == 24 for k in keys)
 
 
 def test_dir_key_hashes_the_library_files(tmp_path):
@@ -173,9 +193,14 @@ def test_wide_chunk_settings():
 # The CLI, without llama.cpp (plan; prefill refusing before it loads anything)
 
 def hand_record(monkeypatch, tmp_path, model, verdicts):
-    """A record for `model` on the exact built library and the CPU, written into tmp_path's cache."""
-    i = proofs.Identity("exact", "build", build.build_key("exact"),
-                               hashlib.sha256(model.read_bytes()).hexdigest(), "cpu")
+    """A record for `model` on the exact built library and the CPU (what this host's library offers,
+    the kernel switches of this environment, which the CLI's processes inherit), written into
+    tmp_path's cache."""
+    i = proofs.identity(settings.resolve({}), model)
+    assert i.library_key == build.build_key("exact")
+    assert i.model_sha256 == hashlib.sha256(model.read_bytes()).hexdigest()
+    (tmp_path / "dflash").mkdir(exist_ok=True)  # the built libraries: a lookup asks the library what it offers
+    (tmp_path / "dflash" / "llama").symlink_to(build.cache_root() / "llama")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     record = proofs.Record(i, str(model), proofs.now_utc(), tuple(verdicts))
     return proofs.write(proofs.record_path(i), record)
@@ -184,11 +209,12 @@ def hand_record(monkeypatch, tmp_path, model, verdicts):
 def test_auto_with_a_hand_written_record_picks_the_exact_width(tiny_models, tmp_path, monkeypatch):
     m = tiny_models["q8_0"]
     path = hand_record(monkeypatch, tmp_path, m,
-                       [V(1, True, 1, True, 1), V(4, True, 4, True, 4), V(8, False, 4, False, 8)])
+                       [V(1, True, 1, True, 1, None, 50), V(4, True, 4, True, 4, None, 50),
+                        V(8, False, 4, False, 8, None, 50)])
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     d = run_json("plan", "--n-tokens", 10, "--model", m, "--chunk", "auto", env=env)
     assert d["cap"] == 4 and d["band_mode"] == "fixed" and d["widths"] == [4, 4, 2]
-    assert d["qualification"] == {"path": str(path), "key": path.stem, "width": 4, "mode": "fixed"}
+    assert d["qualification"] == {"path": str(path), "key": path.stem, "width": 4, "mode": "fixed", "positions": 50}
     r = run_dflash("plan", "--n-tokens", 10, "--model", m, "--chunk", 8, env=env)
     assert r.returncode == 2 and "no qualification record proves width 8" in r.stderr
     r = run_dflash("prefill", "--model", m, "--chunk", 8, "--threads", 1, env=env)
@@ -198,7 +224,7 @@ def test_auto_with_a_hand_written_record_picks_the_exact_width(tiny_models, tmp_
 
 def test_corrupt_record_is_no_record(tiny_models, tmp_path, monkeypatch):
     m = tiny_models["q8_0"]
-    path = hand_record(monkeypatch, tmp_path, m, [V(1, True, 1, True, 1)])
+    path = hand_record(monkeypatch, tmp_path, m, [V(1, True, 1, True, 1, None, 9)])
     path.write_text("{\"schema\": \"dflash.qualification\"")
     r = run_dflash("plan", "--n-tokens", 10, "--model", m, "--chunk", "auto", "--json",
                    env={"XDG_CACHE_HOME": str(tmp_path)})
@@ -253,7 +279,8 @@ def test_qualify_then_wide_prefill(tiny_models, tmp_path, cache_with_library):
     a = run_json("prefill", "--model", m, "--chunk", "auto", "--threads", 1, "--n-predict", 2, env=env)
     assert a["chunk"] == 8 and a["chunk_requested"] == "auto"
     assert a["qualification"] == {"path": q["qualification"]["path"], "key": rec.identity.key, "width": 8,
-                                  "mode": "fixed"}
+                                  "mode": "fixed", "positions": q["n_tokens"]}
+    assert {v.positions for v in rec.widths} == {q["n_tokens"]} and a["n_prompt_tokens"] <= q["n_tokens"]
     assert (a["logits_sha256"], a["response_sha256"]) == (d["logits_sha256"], d["response_sha256"])
     r = run_dflash("prefill", "--model", m, "--chunk", 64, "--threads", 1, env=env)
     assert r.returncode == 2 and "dflash qualify" in r.stderr and "--widths 64" in r.stderr

@@ -115,7 +115,7 @@ def check(v, schema) -> None:
 # ---------------------------------------------------------------------------------------------
 # The schemas
 
-LIBRARY = {"flavor": STR, "dir": STR}
+LIBRARY = {"flavor": STR, "dir": STR, "cpu": STR}
 # a --device part: local ones by id (GPUs with name and arch), RPC ones with endpoint and build
 MEMORY_ROW = {"width": INT, "total_bytes": INT, "weights_bytes": INT, "context_bytes": INT, "kv_bytes": INT,
               "compressed_kv_bytes": INT, "indexer_cache_bytes": INT,
@@ -123,7 +123,8 @@ MEMORY_ROW = {"width": INT, "total_bytes": INT, "weights_bytes": INT, "context_b
 BUDGET = {"budget_bytes": INT, "n_ctx": INT, "width": INT, "total_bytes": INT, "estimate": MEMORY_ROW}
 DEVICE = {"id": STR, "name": Opt(STR), "arch": Opt(STR), "endpoint": Opt(STR), "server_device": Opt(INT),
           "build": Opt((STR, NULL)), "flavor": Opt((STR, NULL)), "served_device": Opt((STR, NULL))}
-QUALIFIED = ({"path": STR, "key": STR, "width": INT, "mode": STR}, NULL)
+# positions: the longest prompt the record's proof covers (a lookup's Qualified states it)
+QUALIFIED = ({"path": STR, "key": STR, "width": INT, "mode": STR, "positions": Opt(INT)}, NULL)
 
 PREFILL = {
     "model": STR, "architecture": STR, "library": LIBRARY, "bands_on": BOOL, "chunk": INT,
@@ -199,7 +200,7 @@ MATRIX_ROW = {
     "q1_logits_sha256": (SHA, NULL), "q1_response_sha256": (SHA, NULL), "logits_sha256": (SHA, NULL),
     "response_sha256": (SHA, NULL), "q1_equals_bands": (BOOL, NULL), "logits_equal_reference": (BOOL, NULL),
     "response_equal_reference": (BOOL, NULL),
-    "library": {"flavor": STR, "dir": (STR, NULL)},  # no folder for a row whose process did not run
+    "library": {"flavor": STR, "dir": (STR, NULL), "cpu": STR},  # no folder for a row whose process did not run
     "reference": (STR, NULL), "devices": [DEVICE],
 }
 MATRIX = {"reference": STR, "rows": [MATRIX_ROW], "exact_all_equal": BOOL,
@@ -408,7 +409,7 @@ def test_matrix_compares_typed_prefill_results():
     assert rows["cpu t1 stock"]["q1_equals_bands"] is False and rows["cpu t1 stock"]["library"]["flavor"] == "stock"
     gone = rows["hip:0 gfx1100"]
     assert gone["ran"] is False and gone["logits_sha256"] is None
-    assert gone["library"] == {"flavor": "exact", "dir": None}
+    assert gone["library"] == {"flavor": "exact", "dir": None, "cpu": "native"}
     assert d["exact_all_equal"] is False  # an exact row that did not run is not equal
     with pytest.raises(DflashError, match="no configuration ran: no HIP device"):
         matrix.compare([matrix.Row(gpu, error="no HIP device")])
@@ -477,7 +478,8 @@ def test_library_has_one_shape_everywhere(outputs):
         libs = libraries(out)
         assert libs, name
         for lib in libs:
-            assert set(lib) == {"flavor", "dir"} and lib["flavor"] in ("exact", "stock"), (name, lib)
+            assert set(lib) == {"flavor", "dir", "cpu"} and lib["flavor"] in ("exact", "stock"), (name, lib)
+            assert lib["cpu"] == "native", (name, lib)
             assert isinstance(lib["dir"], str) and lib["dir"], (name, lib)
     assert outputs["diff"]["library"]["flavor"] == "stock"
 

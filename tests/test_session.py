@@ -111,7 +111,7 @@ def test_errors_name_arguments_and_the_cli_names_flags(model):
 
 
 def test_a_library_that_is_not_built_is_a_typed_error_not_a_build(model, monkeypatch):
-    monkeypatch.setattr(build, "is_built", lambda flavor, gpu="none": False)
+    monkeypatch.setattr(build, "is_built", lambda flavor, gpu="none", cpu="native": False)
     called = []
     monkeypatch.setattr(build, "build_library", lambda *a, **k: called.append(a))
     with pytest.raises(LibraryNotBuilt, match=r"`dflash build --lib exact`") as e:

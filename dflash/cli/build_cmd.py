@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from .. import build
+from .. import build, cpu_isa
+from ..errors import DflashError
 from . import output
 from .options import Command
 
@@ -24,8 +25,17 @@ from .options import Command
               help="Build llama.cpp's llama-server (what `dflash serve` runs): the same pinned source with the "
                    "exact patch set and server/patches, linked against the exact library's ggml; it runs against "
                    "any flavor's library. Builds the exact library first when it is missing.")
+@click.option("--cpu", type=click.Choice(build.CPU_VARIANTS), default="native", show_default=True,
+              help="Instruction sets of the CPU backend: native (-march=native, llama.cpp's default), avx512 "
+                   "(AVX-512 with VNNI, BF16, VBMI and AMX), avx512-noamx (the same without AMX: Zen 4/5), avx2 "
+                   "(AVX2, FMA, F16C). A variant is llama.cpp's own GGML_<ISA> options; it builds only "
+                   "libggml-cpu and sits beside copies of the native build's other libraries.")
+@click.option("--check-isa", is_flag=True,
+              help="Disassemble each library's libggml-cpu and check it holds its variant's instruction sets "
+                   "and no others (exit 1 when not); JSON key 'isa'.")
 @click.option("--json", "as_json", is_flag=True)
-def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, as_json: bool) -> None:
+def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, cpu: str, check_isa: bool,
+            as_json: bool) -> None:
     """Build the exact and stock llama.cpp libraries, or with --server llama-server (cached, keyed by
     their inputs)."""
     if compile_only:
@@ -37,14 +47,39 @@ def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, a
         else:
             output.out.print(f"library: {lib}", highlight=False, markup=False)
         return
+    if cpu != "native" and (gpu != "none" or server):
+        raise click.UsageError("--cpu builds a CPU library: no --gpu or --server")
     if server:
         if libs or gpu != "none":
             raise click.UsageError("--server builds one llama-server for every flavor and backend: no --lib or --gpu")
-        done = {"server": str(build.build_server(log=output.note))}
+        done: dict[str, object] = {"server": str(build.build_server(log=output.note))}
     else:
-        done = {flavor: str(build.build_library(flavor, gpu, log=output.note)) for flavor in libs or build.FLAVORS}
+        done = {flavor: str(build.build_library(flavor, gpu, log=output.note, cpu=cpu))
+                for flavor in libs or build.FLAVORS}
+    problems: list[str] = []
+    if check_isa:
+        reports = {}
+        for flavor in libs or build.FLAVORS:
+            lib = build.library_dir(flavor, gpu, cpu) / "libggml-cpu.so"
+            try:
+                report = cpu_isa.disassemble(lib)
+            except (OSError, RuntimeError) as e:
+                raise DflashError(f"cannot disassemble {lib}: {e}") from None
+            bad = report.problems(cpu)
+            problems += [f"{flavor} {cpu}: {p}" for p in bad]
+            reports[flavor] = {"variant": cpu, "classes": sorted(report.classes), "instructions": report.instructions,
+                               "problems": bad}
+        done["isa"] = reports
     if as_json:
         output.emit_json(done)
     else:
         for flavor, d in done.items():
-            output.out.print(f"{flavor}: {d}", highlight=False, markup=False)
+            if flavor == "isa" and isinstance(d, dict):
+                for fl, r in d.items():
+                    output.out.print(f"isa {fl} {cpu}: {', '.join(r['classes'])}"
+                                     + (f" — {'; '.join(r['problems'])}" if r["problems"] else " (as expected)"),
+                                     highlight=False, markup=False)
+            else:
+                output.out.print(f"{flavor}: {d}", highlight=False, markup=False)
+    if problems:
+        raise DflashError("the libraries do not hold their variant's instruction sets: " + "; ".join(problems))

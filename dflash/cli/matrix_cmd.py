@@ -10,10 +10,11 @@ from .. import rpc as rpc_mod
 from ..errors import NotExactError
 from ..results import MatrixResult
 from . import output
-from .options import Command, chunk_option, read_prompt
+from .options import Command, chunk_option, cpu_option, read_prompt
 
 
 @click.command("matrix", cls=Command)
+@cpu_option
 @click.option("--model", default=None, help="GGUF model [default: the built-in tiny model].")
 @click.option("--prompt-file", default=None, help="Prompt file [default: the built-in prompt].")
 @chunk_option

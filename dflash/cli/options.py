@@ -2,6 +2,7 @@
 Session (the environment's flags are read here, with Settings.from_env)."""
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .. import engine, gguf_meta, settings, tiny_model
+from .. import cpu_isa, engine, gguf_meta, settings, tiny_model
 from ..errors import UsageError, arg
 from ..session import Session
 from . import output
@@ -59,7 +60,31 @@ def ctx_option(f: F) -> F:
                              "[default: prompt + n-predict].")(f)
 
 
+def _set_cpu(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--cpu V is DFLASH_CPU_VARIANT=V for this command: every Settings.from_env of the command, and
+    the workers it starts, see it; the previous value comes back when the command ends."""
+    if value is None:
+        return
+    before = os.environ.get(settings.ENV_CPU)
+    os.environ[settings.ENV_CPU] = value
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(settings.ENV_CPU, None)
+        else:
+            os.environ[settings.ENV_CPU] = before
+    ctx.call_on_close(restore)
+
+
+def cpu_option(f: F) -> F:
+    return click.option("--cpu", type=click.Choice(cpu_isa.CPU_VARIANTS), default=None, expose_value=False,
+                        callback=_set_cpu, is_eager=True,
+                        help=f"CPU build variant of the library (`dflash build --cpu`): native (-march=native), "
+                             f"avx512, avx512-noamx or avx2 [default: {settings.ENV_CPU}, else native].")(f)
+
+
 def lib_option(f: F) -> F:
+    f = cpu_option(f)
     return click.option("--lib", type=click.Choice(settings.LIBS), default="exact", show_default=True,
                         help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")(f)
 

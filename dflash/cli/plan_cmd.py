@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from .. import choice, devices, gguf_meta, settings
+from .. import choice, devices, gguf_meta, proofs, settings
 from .. import rpc as rpc_mod
 from ..bands import FULL, Q1, Band, fixed_bands, plan, positive_ratios, widths
 from ..errors import UsageError
@@ -57,6 +57,10 @@ def command(n_tokens: int, start: int, ratios: str | None, model: str | None, ch
     remote = rpc_mod.connect(rpc, devices.parse_spec(device).rpc_ids, allow_mixed_builds)  # records name their builds
     s = choice.choose(settings.Settings.from_env(lib=lib).env, bands=bands, chunk=chunk, lib=lib, model=model,
                       device=device, remote=remote, repack=not no_repack, warn=output.warn, note=output.note)
+    s, beyond = proofs.for_prompt(s, start + n_tokens)  # a record covers prompts up to a length
+    extra = [beyond] if beyond else []
+    for w in extra:  # on stderr, and among the JSON's warnings
+        output.warn(w)
     rs = gguf_meta.read(model).compress_ratios if model else parse_ratios(ratios or DS4_RATIOS)
     if s.fixed:  # the record proved bands of this width across compressor boundaries
         chosen = fixed_bands(n_tokens, s.cap, start, s.mmvq_max_ncols)
@@ -69,7 +73,7 @@ def command(n_tokens: int, start: int, ratios: str | None, model: str | None, ch
                           "chunk_requested": s.chunk_requested, "band_mode": band_mode,
                           "qualification": s.qualified.to_json() if s.qualified else None,
                           "widths": widths(chosen), "bands": [band_dict(b) for b in chosen],
-                          "warnings": s.warnings()})
+                          "warnings": s.warnings() + extra})
         return
     for w in s.warnings():
         output.warn(w)

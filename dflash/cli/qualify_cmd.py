@@ -10,7 +10,7 @@ from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import gguf_meta, qualify, serve_workload, serving, settings
+from .. import gguf_meta, proofs, qualify, serve_workload, serving, settings
 from .. import serve as serve_lib
 from ..errors import NotExactError, UsageError
 from ..results import QualifyResult, RunCheck
@@ -70,8 +70,11 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
     routed expert ids and weights of every position and layer match. Then recommend the largest
     exact cap (at most 4) and the LUCE_MMVQ_MAX_NCOLS value, and the widest exact width (what
     --chunk auto runs), write an evidence directory, and store the per-width verdicts as the
-    qualification record of this library, model and device (in the user cache, merged with the
-    widths it already held; a copy of this run's verdicts goes into the evidence directory).
+    qualification record of this library, CPU variant, model, device and run-time conditions (the
+    CPU buffer types offered, AMX among them or not, and the kernel switches set in the
+    environment), in the user cache, merged with the widths it already held; a copy of this run's
+    verdicts goes into the evidence directory. The verdicts cover prompts of up to this prompt's
+    length: --chunk auto on a longer one falls back (see README, Commands).
     Without --prompt/--prompt-file the built-in prompt is repeated until it has more than
     2 * widest + 8 tokens, so that a band of the widest width is really decoded.
 
@@ -170,6 +173,9 @@ def _print_human(result: QualifyResult) -> None:
     o.print(f"prompt    {r.n_tokens} tokens, resumed at {r.resume_at} (unaligned); crosses {crossed}; "
             f"start band in caps {_ws(c['widths_with_start_band'])}, tail band in caps "
             f"{_ws(c['widths_with_tail_band'])}", highlight=False, markup=False)
+    uncrossed = [f"{x['what']} at {x['position']}" for x in c["crossings"] if not x["crossed"]]
+    o.print(f"covers    prompts of up to {r.n_tokens} tokens (this prompt's length)"
+            + (f"; stops short of the {', '.join(uncrossed)}" if uncrossed else ""), highlight=False, markup=False)
     ref = r.reference
     o.print(f"q1        logits {ref['logits_sha256'][:16]}…  response {ref['response_sha256'][:16]}…  "
             f"({r.n_predict} tokens)", highlight=False, markup=False)
@@ -208,6 +214,12 @@ def _print_human(result: QualifyResult) -> None:
     o.print(f"widest exact width   {widest}; with the record, --chunk auto runs {q.auto_width} "
             f"(recorded widths {_ws(list(q.widths))})", highlight=False, markup=False)
     o.print(f"record    {escape(q.record.path)}", highlight=False)
+    try:
+        stored = proofs.read(q.record.path)
+        o.print(f"vouches   for {proofs.describe_runtime(stored.identity)}, prompts up to {r.n_tokens} tokens",
+                highlight=False, markup=False)
+    except proofs.RecordError:  # replaced meanwhile: the path says where it is
+        pass
     if not r.all_exact:
         o.print("[yellow]not every width is exact on this build[/yellow] (qualify reports; exit code 0)")
     o.print(f"evidence  {escape(result.evidence_dir)}  manifest sha256 {result.manifest_sha256}",

@@ -76,7 +76,7 @@ def command(host: str, port: int, threads: int | None, lib: str, device: str, al
     thread.start()
     info = _await_ready(endpoint, thread, failure)
     result = RpcServerResult(str(endpoint), build, str(spec), info.protocol, n_threads,
-                             Library(s.lib, str(lib_dir)), warning is not None, os.getpid())
+                             Library(s.lib, str(lib_dir), s.cpu), warning is not None, os.getpid())
     if as_json:  # one line, so a script can read it as soon as the server answers
         click.echo(json.dumps(result.to_json(), separators=(", ", ": ")))
     else:

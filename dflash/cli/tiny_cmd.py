@@ -9,7 +9,7 @@ from .. import engine, gguf_meta, settings, tiny_model
 from ..errors import DflashError
 from ..fileio import sha256_file
 from . import output
-from .options import Command
+from .options import Command, cpu_option
 
 
 def _out_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -28,6 +28,7 @@ def _out_path(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.command("tiny-model", cls=Command)
+@cpu_option
 @click.option("--out", default=None, callback=_out_path,
               help="Output file [default: the user cache, reused by every command].")
 @click.option("--weights", type=click.Choice(tiny_model.WEIGHTS), default=tiny_model.DEFAULT_WEIGHTS,

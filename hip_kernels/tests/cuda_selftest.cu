@@ -7,11 +7,14 @@
 //   4. the routed-expert kernel (_id) == ncols = 1 on the selected expert, bit for bit
 //   nvcc -std=c++17 -O2 -arch=native -Ihip_kernels/include -Ihip_kernels/tests \
 //        -Xcompiler -ffp-contract=off hip_kernels/tests/cuda_selftest.cu -o cuda_selftest
+// Exit 0 pass, 1 a check failed, 3 no CUDA device. Without a GPU, `cuda_selftest --host-only
+// [--expect-planted]` runs the host half: this binary's own emulation (the side every GPU result is
+// compared with, as nvcc's host pass built it) through the host self-check of host_check.h.
 #include <cstdio>
+#include <cstring>
 
 #include "../src/dflash_mmvq.hip"
-#include "dflash_mmvq/emulate.h"
-#include "host_data.h"
+#include "host_check.h"
 
 using namespace dftest;
 
@@ -143,7 +146,21 @@ static bool check_type(const type_info& t, int nrows, int nblocks, uint64_t seed
     return gpu_eq_host && ncols_eq && id_eq && ref_ok;
 }
 
-int main() {
+int main(int argc, char** argv) {
+    bool host_only = false, expect_planted = false;
+    for (int i = 1; i < argc; ++i) {
+        if (std::strcmp(argv[i], "--host-only") == 0) {
+            host_only = true;
+        } else if (std::strcmp(argv[i], "--expect-planted") == 0) {
+            expect_planted = true;
+        } else {
+            std::fprintf(stderr, "cuda_selftest: unknown argument %s (--host-only [--expect-planted])\n", argv[i]);
+            return 2;
+        }
+    }
+    if (host_only || expect_planted) {
+        return selfcheck(expect_planted);
+    }
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
         std::printf("no CUDA device\n");

@@ -1,0 +1,39 @@
+"""Child process of tests/test_cpu_variants.py: one library (flavor and CPU variant) in one process,
+every model given, each prefilled cache-cold in fixed-width bands of every width; prints one JSON
+line per model and width with the fingerprints of every position's logits and of the response.
+
+    python -m tests.variant_prefill --cpu avx2 --lib exact --widths 1,4,64,512 --threads 2 M1.gguf M2.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from dflash import engine, session, settings, sweep
+
+N_PREDICT = 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", required=True)
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--widths", required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("models", nargs="+")
+    a = ap.parse_args()
+    widths = [int(w) for w in a.widths.split(",")]
+    flags = settings.Settings.from_env({}, cpu=a.cpu, lib=a.lib)
+    for model in a.models:
+        with session.Session(model, lib=a.lib, settings=flags, threads=a.threads) as s:
+            tokens = sweep.repeat_to(s.tokenize, engine.DEFAULT_PROMPT, max(widths) + 8)[1][:max(widths) + 8]
+            for w in widths:
+                r = s.prefill(tokens, schedule=f"w{w}", n_predict=N_PREDICT, logits="all",
+                              ctx=len(tokens) + N_PREDICT)
+                print(json.dumps({"model": model, "width": w, "n_tokens": len(tokens), "library": r.library.to_json(),
+                                  "widths_run": sorted(set(r.widths)), "logits_sha256": r.logits_sha256,
+                                  "response_sha256": r.response_sha256}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

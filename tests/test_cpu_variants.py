@@ -166,3 +166,18 @@ def test_threads_one_two_three():
         assert out["identical_to_q1"] is True, t
         hashes[t] = (out["q1"]["logits_sha256"], out["logits_sha256"])
     assert len(set(hashes.values())) == 1, hashes
+
+
+def test_a_record_of_one_variant_vouches_for_that_variant_only():
+    """End to end: `dflash qualify --cpu avx2` proves width 8 for the avx2 build; prefill --chunk 8
+    runs on avx2 and is refused on the native build (and on avx512-noamx), which no record names."""
+    q = run_dflash("qualify", "--cpu", "avx2", "--weights", "f32", "--widths", "8", "--threads", "2", "--json",
+                   check=True)
+    assert json.loads(q.stdout)["library"]["cpu"] == "avx2"
+    ok = run_dflash("prefill", "--cpu", "avx2", "--weights", "f32", "--chunk", "8", "--threads", "2", "--json",
+                    check=True)
+    out = json.loads(ok.stdout)
+    assert out["library"]["cpu"] == "avx2" and out["chunk"] == 8 and out["qualification"]["width"] == 8
+    for other in ("native", "avx512-noamx"):
+        r = run_dflash("prefill", "--cpu", other, "--weights", "f32", "--chunk", "8", "--threads", "2")
+        assert r.returncode == 2 and "no qualification record" in r.stderr, (other, r.stderr)

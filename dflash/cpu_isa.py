@@ -14,7 +14,7 @@ import functools
 import re
 import subprocess
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 NATIVE = "native"
@@ -89,8 +89,10 @@ class IsaReport:
     instructions: int
     classes: dict[str, str]  # class -> first instruction seen
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    def to_json(self, cpu: str) -> dict:
+        """The report against variant `cpu`: its classes, size and problems (`dflash build --check-isa`)."""
+        return {"variant": cpu, "classes": sorted(self.classes), "instructions": self.instructions,
+                "problems": self.problems(cpu)}
 
     def problems(self, cpu: str) -> list[str]:
         """What contradicts variant `cpu` (native: nothing is checked; it is the host's own)."""

@@ -65,10 +65,8 @@ def command(libs: tuple[str, ...], gpu: str, compile_only: bool, server: bool, c
                 report = cpu_isa.disassemble(lib)
             except (OSError, RuntimeError) as e:
                 raise DflashError(f"cannot disassemble {lib}: {e}") from None
-            bad = report.problems(cpu)
-            problems += [f"{flavor} {cpu}: {p}" for p in bad]
-            reports[flavor] = {"variant": cpu, "classes": sorted(report.classes), "instructions": report.instructions,
-                               "problems": bad}
+            reports[flavor] = report.to_json(cpu)
+            problems += [f"{flavor} {cpu}: {p}" for p in reports[flavor]["problems"]]
         done["isa"] = reports
     if as_json:
         output.emit_json(done)

@@ -73,34 +73,15 @@ else()
 endif()
 set(_llama_patch ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR> -DFLAVOR=${DFLASH_LLAMA_FLAVOR}
     -DREPO=${CMAKE_CURRENT_SOURCE_DIR} -P ${CMAKE_CURRENT_SOURCE_DIR}/cmake/apply_patches.cmake)
-if(DFLASH_GPU STREQUAL "hip")
-  # ROCm's clang must be the HIP compiler; CMAKE_HIP_PLATFORM=amd keeps nvcc on PATH from winning.
-  # GPU_TARGETS is a list: pass it with '|' as the separator ExternalProject turns back into ';'.
-  string(REPLACE ";" "|" _gpu_targets "${GPU_TARGETS}")
-  list(APPEND _llama_args -DGGML_HIP=ON "-DGPU_TARGETS=${_gpu_targets}" -DCMAKE_HIP_PLATFORM=amd)
-  if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
-    list(APPEND _llama_patch COMMAND ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR>
-         -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
-         -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
-  endif()
-elseif(DFLASH_GPU STREQUAL "cuda")
-  # The same ggml-cuda sources for NVIDIA (nvcc). Flash-attention kernels are not built: exact GPU
-  # runs turn flash attention off. The exact flavor applies the narrow-MMVQ patch set with its
-  # CUDA switch (GGML_DFLASH_MMVQ_CUDA), so the dflash kernels take the narrow products there too.
-  string(REPLACE ";" "|" _cuda_archs "${CUDA_ARCHITECTURES}")
-  list(APPEND _llama_args -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${_cuda_archs}" -DGGML_CUDA_FA=OFF)
-  if(DFLASH_LLAMA_FLAVOR STREQUAL "exact")
-    list(APPEND _llama_args "-DCMAKE_CUDA_FLAGS=-DGGML_DFLASH_MMVQ_CUDA")
-    list(APPEND _llama_patch COMMAND ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR>
-         -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
-         -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
-  endif()
+if(NOT DFLASH_GPU STREQUAL "none")  # the GPU backends: their own file, in the GPU builds' keys only
+  include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/llama_gpu.cmake)
 endif()
 
 ExternalProject_Add(llama_cpp
   SOURCE_DIR ${DFLASH_LLAMA_SRC}
   LIST_SEPARATOR |
   CMAKE_ARGS ${_llama_args}
+  ${_llama_cuda_cache}
   PATCH_COMMAND ${_llama_patch}
   BUILD_ALWAYS OFF
   INSTALL_DIR ${DFLASH_LLAMA_PREFIX}

@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from . import cuda_libs
 from .cpu_isa import CPU_VARIANTS, NATIVE
 from .errors import DflashError
 from .fileio import fsync_dir, fsync_file
@@ -39,6 +40,7 @@ __all__ = ["CPU_VARIANTS", "FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CP
 
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake",
                "cmake/install_cpu_backend.cmake")
+_GPU_KEY_INPUTS = ("cmake/llama_gpu.cmake",)  # read by the HIP and CUDA builds only
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact", "rpc/patches"),
                "stock": ("cpu_kernels/patches/common", "rpc/patches")}  # the patch set each flavor applies
 # what the llama-server build reads beyond the exact library it links against
@@ -82,11 +84,24 @@ def build_key(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + (_hip_kernels_inputs() if gpu in ("hip", "cuda") else ()))
+    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + ((*_GPU_KEY_INPUTS, *_hip_kernels_inputs()) if gpu != "none" else ()))
     h.update(_host_fingerprint().encode())
-    if gpu == "cuda":  # the CUDA build: its architectures and its compiler
-        h.update(f"|{cuda_architectures()}|{_nvcc_version()}".encode())
+    if gpu == "cuda":  # the CUDA build: its architectures, its compiler, the cuBLAS/runtime wheels it links
+        h.update(f"|{cuda_architectures()}|{_nvcc_version()}|{_cuda_libs_key()}".encode())
     return h.hexdigest()[:16]
+
+
+def _cuda_libs_key() -> str:
+    """The key of the wheel folder the CUDA build links (dflash/cuda_libs.py), computed without
+    fetching it: the wheel set nvcc's release picks, the stub's version, the toolkit's cuda.h."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        return "no nvcc"
+    try:
+        ws = cuda_libs.wheel_set(cuda_libs.nvcc_release(_nvcc_version_text()))
+        return cuda_libs.key(ws, (cuda_libs.toolkit_include(nvcc) / "cuda.h").read_bytes())
+    except DflashError as e:  # the build itself says so; the key only has to differ
+        return f"no wheels ({e})"
 
 
 def _hash_files(h: hashlib._Hash, rels: tuple[str, ...]) -> None:
@@ -126,20 +141,25 @@ def server_env(flavor: str, gpu: str = "none", lib_dir: str | os.PathLike[str] |
 
 
 def cuda_architectures() -> str:
-    """CUDA_ARCHITECTURES for the CUDA build (default 90: H100/H200), as CMake takes it (a;b)."""
-    return os.environ.get("CUDA_ARCHITECTURES", "").strip() or "90"
+    """CUDA_ARCHITECTURES for the CUDA build, as CMake takes it (a;b). Default 90-real: machine code
+    for sm_90 (H100/H200) and no PTX, which would only serve GPUs newer than the ones named and
+    makes libggml-cuda larger (the lent H200 machine takes 64 MiB of prebuilt files)."""
+    return os.environ.get("CUDA_ARCHITECTURES", "").strip() or "90-real"
 
 
 def _nvcc() -> str | None:
     return shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
 
 
-def _nvcc_version() -> str:
+def _nvcc_version_text() -> str:
     nvcc = _nvcc()
     if nvcc is None:
         return "no nvcc"
-    r = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
-    return (r.stdout.strip().splitlines() or ["?"])[-1]
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+
+
+def _nvcc_version() -> str:
+    return (_nvcc_version_text().strip().splitlines() or ["?"])[-1]
 
 
 def build_name(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
@@ -235,15 +255,17 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",
                  "-DDFLASH_BUILD_KERNELS=OFF"]
-    if gpu == "cuda":
-        configure += [f"-DCUDA_ARCHITECTURES={cuda_architectures()}"]
+    if gpu == "cuda":  # cuBLAS and the runtime from NVIDIA's wheels (fetched once), for any toolkit
+        libs = cuda_libs.ensure(str(_nvcc()), _nvcc_version_text(), log)
+        configure += [f"-DCUDA_ARCHITECTURES={cuda_architectures()}", *libs.cmake_args()]
     env = {**os.environ, **({"CUDACXX": str(_nvcc())} if gpu == "cuda" else {})}  # how CMake finds nvcc
     hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
             "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
 
     def cuda_hint(log_text: str) -> str:
         if gpu == "cuda" and "CUDA::cublas" in log_text:
-            return "; the CUDA toolkit here has no cuBLAS, which ggml's CUDA backend links (install libcublas)"
+            return (f"; CMake did not take cuBLAS from the wheel folder {cuda_libs.cache_folder()} "
+                    f"(see dflash/cuda_libs.py)")
         return hint
     log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
     _cmake_install(work, configure, "lib/libllama.so", dest, f"llama.cpp {flavor}", jobs, log, env, cuda_hint)

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UsageError, arg
+
 NATIVE = "native"
 CPU_VARIANTS = (NATIVE, "avx512", "avx512-noamx", "avx2")
 
@@ -52,6 +54,15 @@ def host_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def refuse_unrunnable(cpu: str) -> None:
+    """UsageError (one line, naming the flags) when this CPU lacks what variant `cpu` was built for:
+    loading it, or a probe of it, would die of an illegal instruction."""
+    missing = missing_flags(cpu)
+    if missing:
+        raise UsageError(f"{arg('cpu')} {cpu} needs {', '.join(missing)}, which this CPU lacks "
+                         f"(it would die of an illegal instruction)")
 
 
 def missing_flags(cpu: str, flags: Iterable[str] | None = None) -> list[str]:

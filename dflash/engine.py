@@ -67,10 +67,7 @@ def library_dir(settings: Settings, log: Log = _quiet, gpu: str = "none", build_
     if cpu != cpu_isa.NATIVE:
         if gpu != "none":
             raise UsageError(f"{arg('cpu')} {cpu} is a CPU build: a GPU run loads its backend's native build")
-        missing = cpu_isa.missing_flags(cpu)
-        if missing:
-            raise UsageError(f"{arg('cpu')} {cpu} needs {', '.join(missing)}, which this CPU lacks "
-                             f"(it would die of an illegal instruction)")
+        cpu_isa.refuse_unrunnable(cpu)
     if not build_missing and not build.is_built(settings.lib, gpu, cpu):
         what = f"the {settings.lib} llama.cpp library" + ("" if gpu == "none" else f" for {gpu}") + \
             ("" if cpu == cpu_isa.NATIVE else f" ({cpu})")

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import build, devices, gguf_meta, graph_switches, llama, paths, tiny_model
-from .cpu_isa import CPU_VARIANTS, NATIVE
+from .cpu_isa import CPU_VARIANTS, NATIVE, refuse_unrunnable
 from .errors import DflashError, UsageError, arg
 from .fileio import sha256_file, write_atomic
 from .rpc import Remote
@@ -423,6 +423,7 @@ def offered_buffer_types(settings: Settings, kind: str = "cpu") -> tuple[str, ..
     library, else in a probe process (llama.probe_cpu_extra_buffer_types) with the environment the
     run will have. RuntimeUnknown when the library is not built, or the probe fails."""
     d = run_library_dir(settings, kind)
+    refuse_unrunnable(cpu_variant(settings, kind))  # its probe would die of an illegal instruction
     if not (d / "libllama.so").is_file():
         raise RuntimeUnknown(f"the library {d} is not built yet: which CPU buffer types it offers is not known")
     loaded = llama.library_dir()

@@ -117,6 +117,18 @@ def test_cmake_inputs_change_both_keys(repo):
         assert after["exact"] != before["exact"] and after["stock"] != before["stock"], rel
 
 
+def test_the_gpu_cmake_file_changes_only_gpu_keys(repo):
+    """cmake/llama_gpu.cmake (the HIP and CUDA options) is read by GPU builds alone: editing it
+    keys the HIP and CUDA builds anew and leaves every CPU build (native and variants) cached."""
+    cpu = {v: {f: build.build_key(f, "none", v) for f in build.FLAVORS} for v in build.CPU_VARIANTS}
+    before = {gpu: keys(gpu) for gpu in ("hip", "cuda")}
+    with open(repo / "cmake" / "llama_gpu.cmake", "a") as f:
+        f.write("\n# touched\n")
+    assert cpu == {v: {f: build.build_key(f, "none", v) for f in build.FLAVORS} for v in build.CPU_VARIANTS}
+    after = {gpu: keys(gpu) for gpu in ("hip", "cuda")}
+    assert all(after[g][f] != before[g][f] for g in after for f in build.FLAVORS)
+
+
 def test_hip_kernels_change_only_hip_keys(repo):
     before = {gpu: keys(gpu) for gpu in ("none", "hip")}
     flip_byte(repo / "hip_kernels" / "apply_patch.cmake")

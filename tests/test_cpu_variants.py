@@ -28,6 +28,15 @@ def need(flavor: str, cpu: str) -> None:
                     f"(scripts/setup builds every variant)")
 
 
+def runnable(cpu: str) -> None:
+    """A variant this CPU lacks the instructions of cannot run here (the AVX-512 ones on an AVX2-only
+    host): a named skip; its refusal is test_a_variant_loads_its_own_cpu_backend's check."""
+    missing = cpu_isa.missing_flags(cpu)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {cpu} variant cannot run on it (built and "
+                    f"disassembled here; its refusal is checked)")
+
+
 # ---- the disassembly check ---------------------------------------------------------------------
 
 def objdump_line(raw: str, insn: str) -> str:
@@ -100,8 +109,15 @@ def test_cpu_flag_and_option():
 
 @pytest.mark.parametrize("cpu", VARIANTS)
 def test_a_variant_loads_its_own_cpu_backend(cpu):
-    """The process maps the variant's libggml-cpu, not the native one (/proc/self/maps)."""
+    """The process maps the variant's libggml-cpu, not the native one (/proc/self/maps); on a CPU
+    that lacks the variant's instructions, loading it is refused in one line naming them."""
     need("exact", cpu)
+    missing = cpu_isa.missing_flags(cpu)
+    if missing:
+        r = run_dflash("prefill", "--cpu", cpu, "--weights", "f32", "--json")
+        assert r.returncode == 2 and f"--cpu {cpu} needs {', '.join(missing)}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return
     code = ("import json, sys\n"
             "from dflash import engine, settings\n"
             f"d = engine.load_library(settings.resolve({{'DFLASH_CPU_VARIANT': {cpu!r}}}))\n"
@@ -118,6 +134,7 @@ def test_a_variant_loads_its_own_cpu_backend(cpu):
 def prefill_all(cpu: str, lib: str, models: list) -> dict:
     """{(model, width): fingerprints} from one child process holding the library (flavor, variant)."""
     need(lib, cpu)
+    runnable(cpu)
     cmd = [sys.executable, "-m", "tests.variant_prefill", "--cpu", cpu, "--lib", lib, "--widths", WIDTHS,
            "--threads", "2", *map(str, models)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -180,4 +197,6 @@ def test_a_record_of_one_variant_vouches_for_that_variant_only():
     assert out["library"]["cpu"] == "avx2" and out["chunk"] == 8 and out["qualification"]["width"] == 8
     for other in ("native", "avx512-noamx"):
         r = run_dflash("prefill", "--cpu", other, "--weights", "f32", "--chunk", "8", "--threads", "2")
-        assert r.returncode == 2 and "no qualification record" in r.stderr, (other, r.stderr)
+        # refused: no record names it, or (an AVX2-only host) it cannot run here at all
+        why = "needs avx512" if cpu_isa.missing_flags(other) else "no qualification record"
+        assert r.returncode == 2 and why in r.stderr, (other, r.stderr)

@@ -15,15 +15,15 @@ LAYERS: list[set[str]] = [
     {"dflash", "errors", "stage", "paths", "cpu_isa", "fileio", "stats", "trace", "narrow", "bands", "settings", "rpc",
      "devices", "gguf_meta", "graph_switches"},
     # 1, what talks to llama.cpp, the build, files on disk, and typed results
-    {"llama", "build", "evidence", "tiny_model", "kernel_selftest", "results", "prefill", "supervisor", "serving",
-     "server"},
+    {"llama", "build", "cuda_libs", "evidence", "tiny_model", "kernel_selftest", "results", "prefill", "supervisor",
+     "serving", "server"},
     # 2, runs on a loaded model: engine, records, the checks
     {"engine", "proofs", "provenance", "memory", "diff", "bench", "qualify", "choice", "serve_workload",
      "serve_record", "serve_check"},
     # 3, the library facades
     {"session", "serve"},
     # 4, sessions in other processes
-    {"worker", "matrix", "sweep"},
+    {"worker", "matrix", "sweep", "gpu_check"},
     # 5, the command line
     {"cli", "__main__", "cli.*"},
 ]

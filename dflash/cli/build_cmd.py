@@ -15,8 +15,8 @@ from .options import Command
 @click.option("--gpu", type=click.Choice(["none", "hip", "cuda"]), default="none", show_default=True,
               help="hip: the ggml HIP backend with dflash's narrow kernels (needs ROCm >= 6.1); use the "
                    "printed folder as DFLASH_LLAMA_LIB_DIR. cuda: the same ggml-cuda sources for NVIDIA "
-                   "(needs the CUDA toolkit; CUDA_ARCHITECTURES, default 90; flash-attention kernels left "
-                   "out); --device cuda:N loads it.")
+                   "(needs nvcc; cuBLAS comes from PyPI; CUDA_ARCHITECTURES, default 90-real: sm_90 code; "
+                   "flash-attention kernels left out); --device cuda:N loads it.")
 @click.option("--compile-only", is_flag=True,
               help="With --gpu hip: compile the whole patched ggml-hip for gfx1151 and gfx1201 without ROCm "
                    "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "

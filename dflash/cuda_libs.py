@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DflashError
-from .fileio import fsync_dir
+from .fileio import fsync_dir, sha256_file
 from .paths import cache_root
 
 Log = Callable[[str], None]
@@ -239,14 +239,6 @@ def extract(w: Wheel, wheel: Path, root: Path) -> list[str]:
     return written
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def cache_folder() -> Path:
     return cache_root() / "cuda"
 
@@ -278,7 +270,7 @@ def ensure(nvcc: str, nvcc_version: str, log: Log = lambda s: None, download: Do
             _wheel_file_name(w, path)
             files = extract(w, path, root)
             entries.append({"name": w.name, "version": w.version, "part": w.part, "file": path.name,
-                            "bytes": path.stat().st_size, "sha256": _sha256(path), "extracted": files})
+                            "bytes": path.stat().st_size, "sha256": sha256_file(path), "extracted": files})
             path.unlink()  # hundreds of MB; only what the build links stays
         build_driver_stub(cuda_h, root / "stubs" / "libcuda.so", cc)
         (root / "wheels.json").write_text(json.dumps(

@@ -36,7 +36,6 @@ an NVIDIA GPU (GPU mode), 2 on bad usage.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -53,8 +52,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import cpu_isa, cuda_libs, settings, tiny_model
+from . import build, cpu_isa, cuda_libs, settings, tiny_model
 from .evidence import EvidenceWriter, verify
+from .fileio import sha256_file
 from .paths import REPO_ROOT
 
 HARNESS_SRC = REPO_ROOT / "cpu_kernels" / "tests" / "invariance.cpp"
@@ -140,8 +140,8 @@ class Run:
         """The flavor and environment of side "exact" or "twin"."""
         if side == "exact" or self.twin == "stock":
             flavor = "exact" if side == "exact" else "stock"
-            return flavor, self.lib_env(flavor)
-        return "exact", {**self.lib_env("exact"), "DFLASH_NARROW_MMVQ": "0"}
+            return flavor, self.lib_env()
+        return "exact", {**self.lib_env(), "DFLASH_NARROW_MMVQ": "0"}
 
     def say(self, status: str, name: str, detail: str) -> Line:
         line = Line(status, name, detail)
@@ -161,16 +161,15 @@ class Run:
             p.write_bytes(data)
         return p
 
-    def lib_env(self, flavor: str) -> dict[str, str]:
-        """The environment of the harness and of a dflash command (which finds `flavor`'s library at its
-        keyed path in this run's cache, link_libraries), the narrow ceiling at its widest."""
+    def lib_env(self) -> dict[str, str]:
+        """The environment of the harness and of a dflash command (which finds each flavor's library at
+        its keyed path in this run's cache, link_libraries), the narrow ceiling at its widest."""
         return {**self.env, "LUCE_MMVQ_MAX_NCOLS": str(settings.MMVQ_MAX), "DFLASH_NARROW_MMVQ": "1"}
 
     def link_libraries(self) -> dict[str, str]:
         """This run's cache (XDG_CACHE_HOME of every dflash command) gets each flavor's library at the
         path `dflash --lib F --device D` loads from (build.install_dir on this machine): a link to the
         library checked here. Returns those paths."""
-        from . import build
         gpu = "none" if self.mode.stand_in else "cuda"
         saved = os.environ.get("XDG_CACHE_HOME")
         os.environ["XDG_CACHE_HOME"] = self.env["XDG_CACHE_HOME"]
@@ -224,7 +223,6 @@ def make_bundle(out: Path, log: Any = print) -> dict:
     not of their dynamic symbols or GPU code), py/ (pure-Python packages) and bundle.json (sizes,
     SHA-256s, the build host's instruction sets). Both flavors when they fit BUNDLE_LIMIT, else the
     exact one alone (the check's twin is then the exact library with its hooks off); refuses more."""
-    from . import build
     out.mkdir(parents=True, exist_ok=True)
     built = {f: build.build_library(f, "cuda", log=log) for f in FLAVORS}
     _bundle_python(out / "py")
@@ -278,7 +276,7 @@ def _pack(out: Path, libs: Mapping[str, Path]) -> dict:
             for flavor in libs:
                 t.add(stage / flavor, arcname=flavor)
         info["libs_tar_xz_bytes"] = tar.stat().st_size
-        info["libs_tar_xz_sha256"] = hashlib.sha256(tar.read_bytes()).hexdigest()
+        info["libs_tar_xz_sha256"] = sha256_file(tar)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return info
@@ -360,14 +358,12 @@ def check_selftest(run: Run) -> None:
         run.say("SKIP", "selftest",
                 "stand-in: the CUDA kernels need a GPU (tests/test_hip_kernels.py runs their host half)")
         return
-    from .build import _nvcc
-    nvcc = _nvcc()
+    nvcc = build._nvcc()
     if nvcc is None:
         run.say("FAIL", "selftest", "no nvcc")
         return
     exe = run.work / "cuda_selftest"
-    from .build import cuda_architectures
-    m = re.match(r"\d+[af]?", cuda_architectures().split(";")[0])
+    m = re.match(r"\d+[af]?", build.cuda_architectures().split(";")[0])
     arch = m[0] if m else "90"  # 90-real -> sm_90
     b = _run([nvcc, "-std=c++17", "-O2", f"-arch=sm_{arch}", f"-I{REPO_ROOT / 'hip_kernels' / 'include'}",
               f"-I{REPO_ROOT / 'hip_kernels' / 'tests'}", "-Xcompiler", "-ffp-contract=off", str(SELFTEST_SRC),
@@ -550,7 +546,7 @@ def check_model(run: Run) -> None:
     for w in mode.presets:
         # the K-quant presets are made by the exact library's quantizer (CPU code, whichever backend it has)
         r = _run(_dflash("tiny-model", "--weights", w, "--json"),
-                 {**run.lib_env("exact"), "DFLASH_LLAMA_LIB_DIR": str(run.libs["exact"])}, timeout=600)
+                 {**run.lib_env(), "DFLASH_LLAMA_LIB_DIR": str(run.libs["exact"])}, timeout=600)
         obj = _json(r)
         if r.returncode != 0 or obj is None:
             run.say("FAIL", "model", f"tiny-model --weights {w}: {_tail(r.stderr)}")
@@ -656,8 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {**base, "XDG_CACHE_HOME": str(work / "cache")}
         bundle_info = None
         if mode.stand_in:
-            from . import build
-            libs = {f: build.build_library(f, log=lambda s: print(f"[gpu-check] {s}", file=sys.stderr))
+                libs = {f: build.build_library(f, log=lambda s: print(f"[gpu-check] {s}", file=sys.stderr))
                     for f in FLAVORS}
         elif a.bundle:
             libs, bundle_info = unpack_bundle(a.bundle, work)

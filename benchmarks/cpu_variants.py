@@ -1,9 +1,11 @@
 """Exact vs stock prefill speed per CPU build variant, side by side: one `dflash sweep --cpu V`
-per variant and model (exact and stock workers, rounds interleaved, fixed-width bands), then one
-table of medians and exact/stock ratios per width.
+per variant, model and prompt length (exact and stock workers, rounds interleaved, fixed-width
+bands, optionally decode tokens/s after the prompt), then one table of medians and exact/stock
+ratios per width.
 
     .venv/bin/python benchmarks/cpu_variants.py                         # tiny q4_k_m + Gemma 3 270M
     .venv/bin/python benchmarks/cpu_variants.py --variants avx2 --runs 9 --json out.json
+    .venv/bin/python benchmarks/cpu_variants.py --prompt-tokens 1024,4096 --decode 32
 
 A variant the host cannot run is reported and left out. Not a test: nothing is asserted; a width of
 the exact library that differs from its q1 is marked in the table (the sweep exits 4 for it).
@@ -37,9 +39,14 @@ def gemma_path() -> str:
     return str(path)
 
 
-def sweep(cpu: str, model: list[str], widths: str, runs: int, threads: int) -> dict:
+def sweep(cpu: str, model: list[str], widths: str, runs: int, threads: int, prompt_tokens: int | None = None,
+          decode: int = 0, warmup: int = 1) -> dict:
     cmd = [sys.executable, "-m", "dflash", "sweep", "--cpu", cpu, "--libs", "exact,stock", "--widths", widths,
-           "--runs", str(runs), "--warmup", "1", "--threads", str(threads), "--json", *model]
+           "--runs", str(runs), "--warmup", str(warmup), "--threads", str(threads), "--json", *model]
+    if prompt_tokens:
+        cmd += ["--prompt-tokens", str(prompt_tokens)]
+    if decode:
+        cmd += ["--decode", str(decode)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode not in (0, 4):
         raise SystemExit(f"sweep --cpu {cpu} {' '.join(model)} failed (rc={r.returncode}): "
@@ -49,22 +56,28 @@ def sweep(cpu: str, model: list[str], widths: str, runs: int, threads: int) -> d
 
 def table(results: list[dict]) -> str:
     widths = sorted({row["width"] for res in results for row in res["rows"]})
-    head = "| model | variant | lib | " + " | ".join(f"w{w}" for w in widths) + " |"
-    lines = [head, "|" + "---|" * (3 + len(widths))]
+    decode = any(res.get("decode") for res in results)
+    head = "| model | variant | lib | " + " | ".join(f"w{w}" for w in widths) + (" | decode |" if decode else " |")
+    lines = [head, "|" + "---|" * (3 + len(widths) + decode)]
     for res in results:
         rows = {(r["lib"], r["width"]): r for r in res["rows"]}
+        dec = {d["lib"]: d["median_tokens_per_second"] for d in res.get("decode", [])}
         name = f"{res['label']}, {res['n_prompt_tokens']} tok"
         for lib in ("exact", "stock"):
             cells = []
             for w in widths:
-                r = rows[(lib, w)]
-                mark = "" if r["exact"] or lib == "stock" else " (differs)"
-                cells.append(f"{r['median_tokens_per_second']:.0f}{mark}")
+                r = rows.get((lib, w))
+                mark = "" if r is None or r["exact"] or lib == "stock" else " (differs)"
+                cells.append("-" if r is None else f"{r['median_tokens_per_second']:.0f}{mark}")
+            if decode:
+                cells.append(f"{dec[lib]:.1f}" if lib in dec else "-")
             lines.append(f"| {name} | {res['cpu']} | {lib} | " + " | ".join(cells) + " |")
             name = ""
         tps = {k: r["median_tokens_per_second"] for k, r in rows.items()}
-        ratios = [tps[("exact", w)] / tps[("stock", w)] for w in widths]
-        lines.append(f"| | {res['cpu']} | exact / stock | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+        ratios = [f"{tps[('exact', w)] / tps[('stock', w)]:.2f}" if ("exact", w) in tps else "-" for w in widths]
+        if decode:
+            ratios.append(f"{res['decode_exact_over_stock']:.2f}" if res.get("decode_exact_over_stock") else "-")
+        lines.append(f"| | {res['cpu']} | exact / stock | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
@@ -74,7 +87,10 @@ def main() -> None:
     ap.add_argument("--widths", default="1,4,64,512")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--models", default="tiny-q4_k_m,gemma", help="tiny-<preset> and/or gemma, comma-separated")
+    ap.add_argument("--prompt-tokens", default="", help="prompt lengths, comma-separated (default: the widest width)")
+    ap.add_argument("--decode", type=int, default=0, help="also time this many decode tokens after each prompt")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the sweeps' results here")
     a = ap.parse_args()
     models = []
@@ -92,10 +108,12 @@ def main() -> None:
             print(f"{cpu}: this CPU lacks {', '.join(missing)}; left out", file=sys.stderr)
             continue
         for label, model in models:
-            print(f"sweep --cpu {cpu} {label}", file=sys.stderr)
-            res = sweep(cpu, model, a.widths, a.runs, a.threads)
-            res["label"] = label
-            results.append(res)
+            for n in [int(x) for x in a.prompt_tokens.split(",") if x] or [None]:
+                print(f"sweep --cpu {cpu} {label}" + (f" --prompt-tokens {n}" if n else ""), file=sys.stderr)
+                res = sweep(cpu, model, a.widths, a.runs, a.threads, n, a.decode, a.warmup)
+                res["label"] = label
+                results.append(res)
+                print(table([res]), file=sys.stderr)
     print(table(results))
     if a.json_out:
         write_atomic(a.json_out, json.dumps(results, indent=1).encode())

@@ -3,15 +3,16 @@
 `dflash serve` runs llama.cpp's own llama-server, built from the project's patch set, with the
 options below. What they pin, and why:
 
-  -b/-ub W        every llama_decode carries at most W tokens, W a width proven exact for this
-                  library, model and device (a serve record, or the prefill record's fixed-width
-                  run; 1 = q1 without either)
+  -b/-ub W        every ubatch carries at most W tokens, W a width proven exact for this library,
+                  model and device (a serve record, or the prefill record's fixed-width run; 1 = q1
+                  without either). llama-server decodes a 2-token batch while it starts, so with
+                  W = 1 the logical batch is 2 (-b 2 -ub 1): still one token per ubatch
   --swa-full      a full-size sliding-window cache (a window-sized ring is sized by n_ubatch)
   --no-kv-unified one KV stream per slot: a sequence's cells stay in position order whatever the
                   other slots do (a unified cache interleaves sequences, so the order in which
                   attention visits a sequence's cells depends on the others)
   -fa auto|off    flash attention as the exact library expects it (CPU: llama.cpp's choice, every
-                  query row by the per-row kernel; GPU: off)
+                  query row by the exact library's batch-invariant kernel; GPU: off)
   --no-context-shift, --cache-reuse 0
                   no KV shifting: a shifted cache is not the cache a cold run computes
   --fit off       the context and batch sizes are the ones given, never adjusted to free memory
@@ -96,7 +97,7 @@ class ServeConfig:
 
     def args(self) -> list[str]:
         """llama-server's options for this configuration (the exact-keeping ones of the module doc)."""
-        return ["-np", str(self.parallel), "-c", str(self.ctx * self.parallel), "-b", str(self.ubatch),
+        return ["-np", str(self.parallel), "-c", str(self.ctx * self.parallel), "-b", str(max(self.ubatch, 2)),
                 "-ub", str(self.ubatch), "-t", str(self.threads), "-tb", str(self.threads),
                 "-fa", self.flash_attn, "--swa-full", "--kv-unified" if self.kv_unified else "--no-kv-unified",
                 "--no-context-shift", "--cache-reuse", "0", "--fit", "off"]

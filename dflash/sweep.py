@@ -12,6 +12,10 @@ the library order alternates between rounds. Every request is cache-cold and pre
 prompt in fixed-width bands (compressor boundaries ignored); timed requests keep the last
 position's logits only. The timing window is the band loop: every llama_decode of the prompt
 plus copying and hashing its logits (as prefill.run measures).
+
+With `decode` N > 0 every round also has, per library, a decode request: the prompt prefilled at
+the widest width, then N greedy tokens one llama_decode each, timed over those decodes alone
+(decode tokens/s after a prompt of that length, the step a served response repeats).
 """
 from __future__ import annotations
 
@@ -83,6 +87,7 @@ class Sample:
     logits_sha256: str
     response_sha256: str
     n_bands: int
+    decode_tokens_per_second: float = 0.0  # kind "decode": response tokens / their decode time
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -126,6 +131,19 @@ class Tax:
                 "exact_over_stock": self.ratio}
 
 
+@dataclass(frozen=True)
+class DecodeRow:
+    """Decode tokens/s after the prompt, per library (timed decode requests)."""
+    lib: str
+    samples: tuple[float, ...]
+    median: float
+    mad: float
+
+    def to_json(self) -> dict:
+        return {"lib": self.lib, "median_tokens_per_second": self.median, "mad": self.mad,
+                "samples": list(self.samples), "n": len(self.samples)}
+
+
 @dataclass
 class SweepResult:
     libs: tuple[str, ...]
@@ -141,6 +159,14 @@ class SweepResult:
     stock_q1_median: float | None
     warnings: list[str] = field(default_factory=list)
     cpu: str = "native"  # the CPU build variant both libraries ran (--cpu)
+    decode_tokens: int = 0  # --decode: greedy tokens per decode request (0: none measured)
+    decode: list[DecodeRow] = field(default_factory=list)
+
+    @property
+    def decode_ratio(self) -> float | None:
+        """Decode tokens/s of the exact library over the stock one's (medians), when both ran."""
+        by = {d.lib: d.median for d in self.decode}
+        return by["exact"] / by["stock"] if by.get("exact") and by.get("stock") else None
 
     def row(self, lib: str, width: int) -> Row:
         return next(r for r in self.rows if r.lib == lib and r.width == width)
@@ -156,7 +182,9 @@ class SweepResult:
                 "n_prompt_tokens": self.n_prompt_tokens, "prompt_repeats": self.prompt_repeats,
                 "model": self.model, "cpu": self.cpu, "rows": [r.to_json() for r in self.rows],
                 "exactness_tax": [t.to_json() for t in self.taxes], "stock_q1_median": self.stock_q1_median,
-                "exact_library_exact": self.exact_library_exact, "warnings": list(self.warnings)}
+                "exact_library_exact": self.exact_library_exact, "warnings": list(self.warnings),
+                "decode_tokens": self.decode_tokens, "decode": [d.to_json() for d in self.decode],
+                "decode_exact_over_stock": self.decode_ratio}
 
 
 def summarize(samples: list[Sample], libs: Sequence[str], widths: Sequence[int]
@@ -181,6 +209,16 @@ def summarize(samples: list[Sample], libs: Sequence[str], widths: Sequence[int]
     return rows, taxes, stock_q1
 
 
+def summarize_decode(samples: list[Sample], libs: Sequence[str]) -> list[DecodeRow]:
+    """Per library: the timed decode requests' tokens/s, median and MAD (none without them)."""
+    out = []
+    for lib in libs:
+        tps = [s.decode_tokens_per_second for s in samples if (s.lib, s.kind) == (lib, "decode")]
+        if tps:
+            out.append(DecodeRow(lib, tuple(tps), stats.median(tps), stats.mad(tps)))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # worker processes
 
@@ -200,7 +238,8 @@ def repeat_to(tokenize: Callable[[str], list[int]], text: str, need: int) -> tup
 
 class LibraryRun:
     """One library's worker process (dflash.worker: a Session in a child) and the prompt it runs:
-    the plan's text repeated to the widest width, cut to the model's context if need be."""
+    the plan's text repeated to the widest width (or to `prompt_tokens`, then cut to exactly that
+    many), cut to the model's context if need be."""
 
     def __init__(self, lib: str, plan: Plan):
         self.lib = lib
@@ -208,13 +247,18 @@ class LibraryRun:
                              weights=plan.weights or DEFAULT_WEIGHTS, threads=plan.threads,
                              bands=True, max_band=max(plan.widths))
         try:
-            text, tokens, repeats = repeat_to(self.worker.tokenize, plan.prompt, max(plan.widths))
+            need = max(max(plan.widths), plan.prompt_tokens or 0)
+            text, tokens, repeats = repeat_to(self.worker.tokenize, plan.prompt, need)
+            if plan.prompt_tokens:
+                tokens = tokens[:need]
             info = self.worker.info
+            self.decode = plan.decode
             limit = info["n_ctx_train"] or info["context_length"] or 0
             truncated_from = None
-            if limit and len(tokens) + VERIFY_N_PREDICT > limit:
+            tail = max(VERIFY_N_PREDICT, plan.decode)
+            if limit and len(tokens) + tail > limit:
                 truncated_from = len(tokens)
-                tokens = tokens[:max(limit - VERIFY_N_PREDICT, 1)]
+                tokens = tokens[:max(limit - tail, 1)]
             self.tokens = tokens
             self.ready = {"n_tokens": len(tokens), "tokens_sha256": sha256_tokens(tokens), "repeats": repeats,
                           "truncated_from": truncated_from, "threads": info["threads"],
@@ -227,8 +271,11 @@ class LibraryRun:
         """One cache-cold request in fixed-width bands of `width`: "verify" hashes every position's
         logits and decodes a short response, the others the last position only and nothing."""
         verify = kind == "verify"
-        return self.worker.prefill(self.tokens, schedule=f"w{width}", n_predict=VERIFY_N_PREDICT if verify else 0,
-                                   logits="all" if verify else "last", ctx=len(self.tokens) + VERIFY_N_PREDICT)
+        decode = kind in ("decode", "decode-warmup")
+        n_predict = self.decode if decode else VERIFY_N_PREDICT if verify else 0
+        return self.worker.prefill(self.tokens, schedule=f"w{width}", n_predict=n_predict,
+                                   logits="all" if verify else "last",
+                                   ctx=len(self.tokens) + max(VERIFY_N_PREDICT, self.decode))
 
     def close(self) -> None:
         self.worker.close()
@@ -245,6 +292,8 @@ class Plan:
     weights: str | None = None
     threads: int | None = None
     settings: Settings | None = None  # the environment flags (Settings.from_env()) for every worker
+    prompt_tokens: int | None = None  # repeat the prompt to this many tokens (then cut to exactly them)
+    decode: int = 0                   # greedy tokens per decode request (0: no decode requests)
 
 
 @dataclass
@@ -255,14 +304,18 @@ class Measurement:
     warnings: list[str]
 
 
-def schedule(libs: tuple[str, ...], widths: Sequence[int], warmup: int, runs: int) -> list[tuple[str, int, str, int]]:
+def schedule(libs: tuple[str, ...], widths: Sequence[int], warmup: int, runs: int,
+             decode: bool = False) -> list[tuple[str, int, str, int]]:
     """(lib, width, kind, round) in run order: verification per library, then warm-up and timed
-    rounds, each round every library and width once, the library order alternating."""
+    rounds, each round every library and width once, the library order alternating; with `decode`,
+    each round ends with one decode request per library (prefilled at the widest width)."""
     todo = [(lib, w, "verify", 0) for lib in libs for w in widths]
     for i in range(warmup + runs):
         order = libs if i % 2 == 0 else tuple(reversed(libs))
         kind, rnd = ("warmup", i) if i < warmup else ("timed", i - warmup)
         todo += [(lib, w, kind, rnd) for lib in order for w in widths]
+        if decode:
+            todo += [(lib, max(widths), "decode-warmup" if i < warmup else "decode", rnd) for lib in order]
     return todo
 
 
@@ -282,12 +335,14 @@ def measure(plan: Plan, progress: Callable[[int, int], None] = lambda d, t: None
         if first["truncated_from"]:
             warnings.insert(0, f"the prompt ({first['truncated_from']} tokens) was cut to {first['n_tokens']} "
                                f"to fit the model's context")
-        todo = schedule(plan.libs, widths, plan.warmup, plan.runs)
+        todo = schedule(plan.libs, widths, plan.warmup, plan.runs, decode=plan.decode > 0)
         samples = []
         for k, (lib, width, kind, rnd) in enumerate(todo):
             a = workers[lib].run(width, kind)
+            timed_decode = kind.startswith("decode") and a.decode_seconds > 0
+            dtps = len(a.response_tokens) / a.decode_seconds if timed_decode else 0.0
             samples.append(Sample(lib, width, kind, rnd, a.prefill_seconds, a.prefill_tokens_per_second,
-                                  a.logits_sha256, a.response_sha256, len(a.widths)))
+                                  a.logits_sha256, a.response_sha256, len(a.widths), dtps))
             progress(k + 1, len(todo))
     finally:
         for worker in workers.values():
@@ -300,7 +355,8 @@ def result(plan: Plan, m: Measurement) -> SweepResult:
     first = m.ready[plan.libs[0]]
     return SweepResult(plan.libs, m.widths, plan.runs, plan.warmup, first["threads"], first["n_tokens"],
                        first["repeats"], first["provenance"]["model.json"]["path"], rows, taxes, stock_q1,
-                       list(m.warnings), plan.settings.cpu if plan.settings else "native")
+                       list(m.warnings), plan.settings.cpu if plan.settings else "native", plan.decode,
+                       summarize_decode(m.samples, plan.libs))
 
 
 # --------------------------------------------------------------------------------------------

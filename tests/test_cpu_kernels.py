@@ -187,10 +187,11 @@ def check(exe: str, *args) -> tuple[int, list[dict], dict]:
 
 def bound(summary: dict) -> float:
     """How far (relative) a width-1 result may be from the double-precision reference. Flash
-    attention: the activations' conversion to the cache's dot type, and an F16 cache's per-row
-    kernel accumulates V in F16 (about 1.2e-2 at 640 cells)."""
+    attention over an F16 or F32 cache: the exact flavor's kernel scores and accumulates in F32
+    (about 1e-6 here); over other caches the per-row kernel converts the activations to the
+    cache's dot type (about 1.2e-2 at 640 cells)."""
     if summary["op"] == "flash_attn_ext":
-        return 3e-2
+        return 1e-4 if summary["type"] in ("f16", "f32") else 3e-2
     return {"f32": 1e-5, "f16": 2e-3}.get(summary["type"], 3e-2)
 
 
@@ -306,12 +307,27 @@ def test_repacked_weights_are_invariant(harness, type_, op):
 
 
 @EVERY_VARIANT
+@pytest.mark.parametrize("op", ["mul_mat", "mul_mat_id"])
 @pytest.mark.parametrize("type_", ["q4_K", "q2_K"])
-def test_kquants_are_not_repacked(harness, type_):
-    """The repacked Q4_K and Q2_K gemm and gemv differ: the exact library keeps them in plain memory."""
-    r = subprocess.run([harness["exact"], "--type", type_, "--placement", "CPU_REPACK", "--widths", "1"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no extra buffer type named CPU_REPACK" in r.stderr
+def test_repacked_kquants_are_invariant(harness, type_, op):
+    """Q4_K (AVX2 and up) and Q2_K (AVX-512) repacked: the exact flavor's one-row gemv scales and
+    sums each pair of subblocks as the 4-row gemm does (stock sums the whole block first), so every
+    width, the gemm's 4-row groups and the gemv's leftover rows alike, is the width-1 product; also
+    on 3 threads against references on 1, and at K 1280."""
+    if type_ == "q2_K" and not list_types(harness)["cpu_features"]["avx512"]:
+        r = subprocess.run([harness["exact"], "--type", type_, "--placement", "CPU_REPACK", "--widths", "1"],
+                           capture_output=True, text=True, timeout=60, env=ENV)
+        assert r.returncode == 2 and "no extra buffer type named CPU_REPACK accepts" in r.stderr, r.stderr
+        return
+    base = ["--type", type_, "--op", op, "--placement", "CPU_REPACK"]
+    _, results = run_checks(harness["exact"], base, [*base, "--threads", 3, "--ref-threads", 1, "--k", 1280])
+    assert_invariant(results)
+    assert all(r.summary["buffer"] == "CPU_REPACK" for r in results)
+    _, planted = run_checks(harness["exact"], [*base, "--plant"])
+    assert_caught(planted)
+    if op == "mul_mat":  # stock's gemv sums a block before scaling it: the twin must differ
+        _, (stock,) = run_checks(harness["stock"], base)
+        assert not stock.ok and stock.differing(), stock.describe()
 
 
 @EVERY_VARIANT
@@ -515,6 +531,40 @@ def test_flash_attention_thread_counts_are_invariant(harness, threads):
 
 
 @EVERY_VARIANT
+def test_flash_attention_over_long_caches_and_their_views(harness):
+    """Caches of 4K and 16K cells (many fixed splits per row: one query row spreads its splits over
+    the threads, a batch walks them in order), each width-1 reference seeing only the cells up to its
+    own padded to 256 as llama.cpp's view of the cache after one token (--ref-view), or up to its own
+    exactly (a partial last tile); masked cells in the middle of the batches' cache (--holes: as
+    DeepSeek-V4's raw cells grow in front of its compressed rows with the batch); GQA 4:1 and
+    DeepSeek-V4's 576/512 heads with one KV head for 16 query heads; F16 and F32 caches."""
+    checks = [
+        [*FA, "--kv", 4096, "--ref-view", 256],
+        [*FA, "--kv", 16384, "--heads", 4, "--kv-heads", 1, "--ref-view", 256, "--widths", "1,2,4,8,9,64,65,512"],
+        [*FA, "--kv", 3000, "--ref-view", 1, "--threads", 3, "--ref-threads", 1],
+        [*FA, "--kv", 2000, "--holes", 300, "--ref-view", 256],
+        [*FA, "--kv", 1300, "--holes", 37, "--window", 300, "--sinks"],
+        [*FA, "--kv", 2500, "--head-dim", 576, "--head-dim-v", 512, "--heads", 16, "--kv-heads", 1, "--ref-view", 256],
+        [*FA, "--kv", 1700, "--type", "f32", "--head-dim", 80, "--heads", 6, "--kv-heads", 6, "--ref-view", 7],
+    ]
+    _, results = run_checks(harness["exact"], *checks, timeout=900)
+    for r, c in zip(results, checks, strict=True):
+        assert_invariant([r], widths=8 if "--widths" in c else len(WIDTHS.split(",")))
+    _, planted = run_checks(harness["exact"], [*FA, "--kv", 4096, "--ref-view", 256, "--plant"])
+    assert_caught(planted)
+
+
+@EVERY_VARIANT
+def test_stock_flash_attention_is_caught_by_masked_cells_moving(harness):
+    """The stock library's kernels walk the cache by cell index: the same visible cells with masked
+    cells inserted among them change its results at every width (its split-KV path at width 1 too,
+    the reference being one width-1 run), where the exact library's do not move (the test above)."""
+    _, (res,) = run_checks(harness["stock"], [*FA, "--kv", 2000, "--holes", 300, "--ref-view", 256])
+    assert not res.ok
+    assert len(res.differing()) == len(WIDTHS.split(",")), res.describe()
+
+
+@EVERY_VARIANT
 def test_stock_flash_attention_is_caught_by_its_tiled_kernel(harness):
     """Stock flash attention takes a tiled kernel from 64 query rows (F16 cache): every width from
     64 differs from the per-row kernel's width-1 rows."""
@@ -553,7 +603,10 @@ def test_stock_flash_attention_is_caught_by_its_split_kv_path(harness):
     (["--experts", 4, "--used", 6, "--op", "mul_mat_id"], "--used must be <= --experts"),
     (["--list-types", "--then", "--type", "f16"], "--list-types runs alone"),
     (["--threads", 0], "--threads wants an integer"),
-], ids=["plant-one-block", "imatrix-off", "no-product", "kv-too-short", "gqa", "used", "list-then", "threads"])
+    (["--op", "flash_attn_ext", "--holes", 10, "--plant"], "one at a time"),
+    (["--type", "q4_0", "--holes", 10], "apply to flash_attn_ext"),
+], ids=["plant-one-block", "imatrix-off", "no-product", "kv-too-short", "gqa", "used", "list-then", "threads",
+        "holes-plant", "holes-mul-mat"])
 def test_usage_errors_exit_2_with_one_line(harness, args, message):
     r = subprocess.run([harness["exact"], *map(str, args)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -142,6 +142,33 @@ def test_response_matches_dflash_prefill_bit_for_bit(serving):
     assert r.body["system_fingerprint"] == serving.info["system_fingerprint"]
 
 
+def test_serve_without_any_record_starts_and_answers_what_q1_computes(tmp_path):
+    """A fresh machine: no qualification or serve record. `dflash serve` falls back to one slot and
+    one-token ubatches (-b 2 -ub 1: llama-server decodes a 2-token batch while it starts, so -b 1
+    would abort it) and answers with what `dflash prefill`'s q1 computes."""
+    from dflash.paths import cache_root
+    cache = tmp_path / "cache"
+    (cache / "dflash").mkdir(parents=True)
+    for entry in ("llama", "llama-server", "models", "sdist", "src"):
+        (cache / "dflash" / entry).symlink_to(cache_root() / entry, target_is_directory=True)
+    env = {"XDG_CACHE_HOME": str(cache)}
+    s = Serve(env=env)
+    try:
+        assert s.info["vouched"] is False, s.info
+        assert (s.info["config"]["parallel"], s.info["config"]["ubatch"]) == (1, 1)
+        prompt = "A fresh machine serves its first completion one token per step."
+        r = s.post("/v1/completions", completion(prompt, 8))
+        assert r.status == 200, r.text
+    finally:
+        assert s.stop() == 0, "".join(s.err[-20:])
+    p = json.loads(run_dflash("prefill", "--prompt", prompt, "--logits", "last", "--n-predict", "8", "--no-bands",
+                              *THREADS, "--json", env=env, check=True).stdout)
+    fp = r.body["dflash"]
+    assert (fp["prompt_sha256"], fp["logits_sha256"], fp["response_tokens"]) == \
+        (p["prompt_sha256"], p["logits_sha256"], p["response_tokens"])
+    assert not list((cache / "dflash").glob("qualifications/serve-*.json")), "serve wrote a record"
+
+
 # ---- the official openai client --------------------------------------------------------------
 
 def test_openai_client_completions_chat_and_streaming(serving):

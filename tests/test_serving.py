@@ -23,6 +23,14 @@ def test_args_pin_what_keeps_it_exact():
     assert "--kv-unified" in serving.ServeConfig(1, 1, 64, 1, kv_unified=True).args()
 
 
+def test_one_token_ubatches_keep_a_logical_batch_llama_server_starts_with():
+    # llama-server decodes a 2-token batch at start (common_context_can_seq_rm) and aborts with -b 1
+    a = serving.ServeConfig(1, 1, 64, 1).args()
+    assert a[a.index("-ub") + 1] == "1" and a[a.index("-b") + 1] == "2"
+    a = serving.ServeConfig(1, 2, 64, 1).args()
+    assert a[a.index("-ub") + 1] == a[a.index("-b") + 1] == "2"
+
+
 @pytest.mark.parametrize("kw, word", [({"parallel": 0}, "parallel"), ({"ubatch": 513}, "ubatch"),
                                       ({"ctx": 8}, "ctx"), ({"threads": 0}, "threads"),
                                       ({"flash_attn": "maybe"}, "flash")])

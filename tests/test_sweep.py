@@ -56,6 +56,30 @@ def test_schedule_interleaves_rounds_and_alternates_libraries():
     assert [x[3] for x in todo if x[2] == "timed"] == [0] * 4 + [1] * 4
 
 
+def test_schedule_with_decode_ends_every_round_with_one_decode_per_library():
+    todo = sweep.schedule(("exact", "stock"), (1, 4), warmup=1, runs=2, decode=True)
+    decodes = [x for x in todo if x[2].startswith("decode")]
+    assert decodes == [("exact", 4, "decode-warmup", 0), ("stock", 4, "decode-warmup", 0),
+                       ("stock", 4, "decode", 0), ("exact", 4, "decode", 0),
+                       ("exact", 4, "decode", 1), ("stock", 4, "decode", 1)]
+    assert [x for x in todo if not x[2].startswith("decode")] == sweep.schedule(("exact", "stock"), (1, 4), 1, 2)
+
+
+def test_decode_summary_and_ratio():
+    runs = [("exact", "decode-warmup", 1.0), ("exact", "decode", 9.0), ("exact", "decode", 11.0),
+            ("stock", "decode", 20.0), ("stock", "decode", 20.0), ("stock", "timed", 99.0)]
+    samples = [sweep.Sample(lib, 4, kind, 0, 1.0, 10.0, "L", "R", 1, tps) for lib, kind, tps in runs]
+    rows = sweep.summarize_decode(samples, ("exact", "stock"))
+    assert [(d.lib, d.median, d.samples) for d in rows] == [("exact", 10.0, (9.0, 11.0)), ("stock", 20.0, (20.0, 20.0))]
+    r = sweep.SweepResult(("exact", "stock"), (1, 4), 2, 0, 1, 100, 1, "m.gguf", [], [], None, decode_tokens=8,
+                          decode=rows)
+    d = json.loads(json.dumps(r.to_json()))
+    assert d["decode_exact_over_stock"] == pytest.approx(0.5) and d["decode_tokens"] == 8
+    assert d["decode"][0] == {"lib": "exact", "median_tokens_per_second": 10.0, "mad": 1.0, "samples": [9.0, 11.0],
+                              "n": 2}
+    assert sweep.SweepResult(("exact",), (1,), 1, 0, 1, 1, 1, "m", [], [], None).to_json()["decode"] == []
+
+
 def sample(lib, w, kind, tps, logits="L", resp="R", rnd=0):
     return sweep.Sample(lib, w, kind, rnd, 100 / tps, tps, logits, resp, 100 // w)
 
@@ -116,6 +140,19 @@ def test_sweep_runs_and_its_evidence_verifies(tmp_path, tiny_models):
         ("timed", 1), ("timed", 4), ("verify", 1), ("verify", 4)]
     v = run_json("verify", ev, "--manifest-sha256", d["manifest_sha256"])
     assert v["ok"] is True and v["n_hash_checks"] == 2
+
+
+def test_sweep_long_prompt_and_decode(tmp_path, tiny_models):
+    """--prompt-tokens cuts the repeated prompt to exactly that many tokens; --decode times greedy
+    tokens after it, one decode request per library and round."""
+    d = run_json("sweep", "--model", tiny_models["f32"], "--widths", "1,4", "--libs", "exact", "--runs", 2,
+                 "--warmup", 0, "--threads", 1, "--prompt-tokens", 45, "--decode", 6, "--evidence", tmp_path / "ev")
+    assert d["n_prompt_tokens"] == 45 and d["decode_tokens"] == 6 and d["exact_library_exact"] is True
+    (row,) = d["decode"]
+    assert row["lib"] == "exact" and row["n"] == 2 and row["median_tokens_per_second"] > 0
+    assert d["decode_exact_over_stock"] is None  # no stock library in this run
+    requests = json.loads((tmp_path / "ev" / "requests.json").read_text())["requests"]
+    assert [q["kind"] for q in requests].count("decode") == 2
 
 
 def _nll_module():

@@ -24,7 +24,12 @@
 // and every query row computed alone (width 1) must equal the same row inside a batch of width n.
 // The double-precision reference is a plain softmax over the visible cells. Its planted twin
 // (--plant) gives the wide runs the cache with its cells permuted (K, V and every mask row the
-// same way): the same terms summed in another order.
+// same way): the same terms summed in another order. --ref-view P gives each width-1 reference
+// only the cells up to its own, padded to a multiple of P (llama.cpp's view of the cache after
+// that token alone), while the batches see the whole cache: a row must not depend on how many
+// masked cells follow it. --holes H gives the batches H masked cells in the middle of the cache
+// (DeepSeek-V4 hands attention its raw cells, which grow with the batch, in front of its
+// compressed rows): a row must not depend on where masked cells lie either.
 //
 // --backend NAME runs the products on another ggml device (e.g. CUDA0, ROCm0: the GPU check in
 // scripts/gpu-check); weights then live in that device's buffer type and --placement is ignored.
@@ -96,6 +101,8 @@ struct Options {
     int window = 0;   // > 0: a row sees only the last `window` cells up to its own
     bool sinks = false;
     float softcap = 0.0f;
+    int ref_view = 0; // > 0: a width-1 reference sees the cache cut after its own cell, padded to a multiple of this
+    int holes = 0;    // > 0: the batches see this many masked cells inserted in the middle of the cache
     std::vector<int> widths = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 257, 512};
     unsigned seed = 42;
 };
@@ -174,6 +181,8 @@ Options parse(const std::vector<std::string> & args) {
         else if (a == "--pad") o.pad = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--window") o.window = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--sinks") o.sinks = true;
+        else if (a == "--ref-view") o.ref_view = parse_int(a, val(), 0, 1 << 20);
+        else if (a == "--holes") o.holes = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--softcap") {
             const char * s = val();
             char * end = nullptr;
@@ -199,6 +208,9 @@ Options parse(const std::vector<std::string> & args) {
         if (o.head_dim_v == 0) o.head_dim_v = o.head_dim;
         if (o.heads % o.kv_heads) usage("--heads must be a multiple of --kv-heads");
         if (o.placement != "auto") usage("--placement applies to mul_mat and mul_mat_id (the KV cache is plain memory)");
+        if (o.holes && o.plant) usage("--holes and --plant are two different twins: one at a time");
+    } else if (o.ref_view || o.holes) {
+        usage("--ref-view and --holes apply to flash_attn_ext");
     }
     return o;
 }
@@ -678,14 +690,15 @@ struct Attention {
     int64_t n_kv, dk, dv, max_w;
     float scale;
 
-    Attention(const Options & opt, ggml_type t, Device & d, int mw)
-        : o(opt), type(t), dev(d), n_kv((int64_t) opt.kv + opt.pad), dk(opt.head_dim), dv(opt.head_dim_v), max_w(mw),
+    Attention(const Options & opt, ggml_type t, Device & d, int mw, int64_t extra = 0)
+        : o(opt), type(t), dev(d), n_kv((int64_t) opt.kv + opt.pad + extra), dk(opt.head_dim), dv(opt.head_dim_v), max_w(mw),
           scale(1.0f / std::sqrt((float) opt.head_dim)) {}
 
-    // cell c is visible to query token j (at cell kv - max_w + j): causal, within the window, not padding
+    // cell c is visible to query token j (at cell kv - max_w + j): causal, within the window, not
+    // padding; c < 0 is a hole (--holes), masked for every row
     bool visible(int64_t j, int64_t c) const {
         const int64_t pos = o.kv - max_w + j;
-        return c < o.kv && c <= pos && (o.window == 0 || pos - c < o.window);
+        return c >= 0 && c < o.kv && c <= pos && (o.window == 0 || pos - c < o.window);
     }
 
     // K and V as cells x kv heads x head dim (the cache's own layout), cells in `perm` order
@@ -698,27 +711,43 @@ struct Attention {
         cache.res.alloc(ggml_backend_get_default_buffer_type(dev.backend));
         const size_t kcell = ggml_row_size(type, dk) * o.kv_heads, vcell = ggml_row_size(type, dv) * o.kv_heads;
         std::vector<uint8_t> kp(kq.size()), vp(vq.size());
+        kp.resize(n_kv * kcell);
+        vp.resize(n_kv * vcell);
         for (int64_t p = 0; p < n_kv; p++) {
-            std::memcpy(&kp[p * kcell], &kq[perm[p] * kcell], kcell);
-            std::memcpy(&vp[p * vcell], &vq[perm[p] * vcell], vcell);
+            const int64_t src = perm[p] >= 0 ? perm[p] : p % o.kv;  // a hole holds some cell's data, masked
+            std::memcpy(&kp[p * kcell], &kq[src * kcell], kcell);
+            std::memcpy(&vp[p * vcell], &vq[src * vcell], vcell);
         }
         ggml_backend_tensor_set(cache.k, kp.data(), 0, kp.size());
         ggml_backend_tensor_set(cache.v, vp.data(), 0, vp.size());
         ggml_backend_tensor_set(cache.sinks, sinks.data(), 0, sinks.size() * sizeof(float));
     }
 
-    // Attention of query tokens first..first+n-1 over the cache; out[token][head][dv].
+    // The cells a width-1 reference of token j sees with --ref-view P: llama.cpp hands attention
+    // the cache up to the last cell in use, padded, so a token decoded alone sees fewer cells than
+    // inside a wider batch (the rest are masked there)
+    int64_t ref_cells(int64_t j) const {
+        if (o.ref_view == 0) return n_kv;
+        const int64_t used = o.kv - max_w + j + 1;
+        return std::min(n_kv, (used + o.ref_view - 1) / o.ref_view * o.ref_view);
+    }
+
+    // Attention of query tokens first..first+n-1 over the first `cells` cells of the cache (0:
+    // all); out[token][head][dv].
     std::vector<float> run(Device & on, const Cache & cache, const std::vector<float> & q, int64_t first, int n,
-                           const std::vector<int64_t> & perm) {
-        ggml_init_params ap = {ggml_tensor_overhead() * 12 + ggml_graph_overhead(), nullptr, true};
+                           const std::vector<int64_t> & perm, int64_t cells = 0) {
+        const int64_t nc = cells ? cells : n_kv;
+        ggml_init_params ap = {ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, true};
         ggml_context * actx = ggml_init(ap);
         // q as llama.cpp hands it over: [dk, heads, n] permuted to [dk, n, heads]; K and V the
-        // cache permuted to [d, cells, kv heads]
+        // cache (its first nc cells) permuted to [d, cells, kv heads]
         ggml_tensor * qt = ggml_new_tensor_3d(actx, GGML_TYPE_F32, dk, o.heads, n);
-        ggml_tensor * mask = ggml_new_tensor_2d(actx, GGML_TYPE_F16, n_kv, n);
+        ggml_tensor * mask = ggml_new_tensor_2d(actx, GGML_TYPE_F16, nc, n);
+        ggml_tensor * kview = ggml_view_3d(actx, cache.k, dk, o.kv_heads, nc, cache.k->nb[1], cache.k->nb[2], 0);
+        ggml_tensor * vview = ggml_view_3d(actx, cache.v, dv, o.kv_heads, nc, cache.v->nb[1], cache.v->nb[2], 0);
         ggml_tensor * out = ggml_flash_attn_ext(actx, ggml_permute(actx, qt, 0, 2, 1, 3),
-                                                ggml_permute(actx, cache.k, 0, 2, 1, 3),
-                                                ggml_permute(actx, cache.v, 0, 2, 1, 3), mask, scale, 0.0f, o.softcap);
+                                                ggml_permute(actx, kview, 0, 2, 1, 3),
+                                                ggml_permute(actx, vview, 0, 2, 1, 3), mask, scale, 0.0f, o.softcap);
         if (o.sinks) ggml_flash_attn_ext_add_sinks(out, cache.sinks);
         ggml_cgraph * gf = ggml_new_graph(actx);
         ggml_build_forward_expand(gf, out);
@@ -726,9 +755,9 @@ struct Attention {
         ggml_backend_buffer_t abuf = ggml_backend_alloc_ctx_tensors(actx, on.backend);
         ggml_backend_tensor_set(qt, &q[(size_t) first * o.heads * dk], 0, ggml_nbytes(qt));
         const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        std::vector<ggml_fp16_t> m((size_t) n * n_kv);
+        std::vector<ggml_fp16_t> m((size_t) n * nc);
         for (int j = 0; j < n; j++)
-            for (int64_t p = 0; p < n_kv; p++) m[(size_t) j * n_kv + p] = visible(first + j, perm[p]) ? zero : ninf;
+            for (int64_t p = 0; p < nc; p++) m[(size_t) j * nc + p] = visible(first + j, perm[p]) ? zero : ninf;
         ggml_backend_tensor_set(mask, m.data(), 0, ggml_nbytes(mask));
         if (ggml_backend_graph_compute(on.backend, gf) != GGML_STATUS_SUCCESS) usage("graph compute failed");
         std::vector<float> y(ggml_nelements(out));  // [dv, heads, n]: token-major already
@@ -765,14 +794,24 @@ int run_flash_attn(const Options & o) {
     std::iota(ident.begin(), ident.end(), 0);
     perm = ident;
     if (o.plant) std::shuffle(perm.begin(), perm.end(), rng);
-    Cache main_cache, planted_cache;
+    Cache main_cache, planted_cache, holey_cache;
     a.upload(main_cache, kq, vq, sinks, ident);
     if (o.plant) a.upload(planted_cache, kq, vq, sinks, perm);
+    // --holes: the batches' cache has masked cells in the middle (as DeepSeek-V4's raw cells
+    // grow in front of its compressed rows with the batch): [0, kv/2), holes, [kv/2, kv + pad)
+    Attention holey(o, type, dev, max_w, o.holes);
+    std::vector<int64_t> hperm;
+    if (o.holes) {
+        for (int64_t p = 0; p < o.kv / 2; p++) hperm.push_back(p);
+        for (int64_t p = 0; p < o.holes; p++) hperm.push_back(-1);
+        for (int64_t p = o.kv / 2; p < n_kv; p++) hperm.push_back(p);
+        holey.upload(holey_cache, kq, vq, sinks, hperm);
+    }
 
     const int64_t per_col = h * dv;
     std::vector<float> ref((size_t) max_w * per_col);
     for (int j = 0; j < max_w; j++) {
-        std::vector<float> y = a.run(ref_dev, main_cache, qf, j, 1, ident);
+        std::vector<float> y = a.run(ref_dev, main_cache, qf, j, 1, ident, a.ref_cells(j));
         std::memcpy(&ref[(size_t) j * per_col], y.data(), per_col * sizeof(float));
     }
 
@@ -813,7 +852,8 @@ int run_flash_attn(const Options & o) {
     Tally tally{o, ggml_backend_buft_name(ggml_backend_get_default_buffer_type(dev.backend))};
     for (int n : o.widths) {
         const bool planted = o.plant && n > 1;
-        std::vector<float> y = a.run(dev, planted ? planted_cache : main_cache, qf, 0, n, planted ? perm : ident);
+        std::vector<float> y = o.holes ? holey.run(dev, holey_cache, qf, 0, n, hperm)
+                                       : a.run(dev, planted ? planted_cache : main_cache, qf, 0, n, planted ? perm : ident);
         tally.width(n, planted, y, ref, per_col);
     }
     const bool ok = tally.ok();
@@ -821,11 +861,11 @@ int run_flash_attn(const Options & o) {
                 "\"buffer\": \"%s\", \"k\": %d, \"m\": %d, "
                 "\"widths\": %zu, \"widths_differing\": %d, \"planted\": %s, \"reference_max_rel_err\": %.3e, \"ok\": %s, "
                 "\"reference_tokens\": %d, \"threads\": %d, \"ref_threads\": %d, \"head_dim\": %d, \"head_dim_v\": %d, \"heads\": %d, \"kv_heads\": %d, \"kv\": %d, "
-                "\"pad\": %d, \"window\": %d, \"sinks\": %s, \"softcap\": %g, \"extra_buffers\": %s}\n",
+                "\"pad\": %d, \"window\": %d, \"sinks\": %s, \"softcap\": %g, \"ref_view\": %d, \"holes\": %d, \"extra_buffers\": %s}\n",
                 o.type.c_str(), o.op.c_str(), o.src1.c_str(), o.backend.c_str(), tally.buffer.c_str(), o.head_dim, (int) n_kv,
                 o.widths.size(), tally.bad_widths, o.plant ? "true" : "false", max_rel, ok ? "true" : "false",
                 reference_tokens(max_w), o.threads, o.ref_threads, o.head_dim, o.head_dim_v, o.heads, o.kv_heads, o.kv, o.pad, o.window,
-                o.sinks ? "true" : "false", o.softcap, json_list(cpu_extra_names()).c_str());
+                o.sinks ? "true" : "false", o.softcap, o.ref_view, o.holes, json_list(cpu_extra_names()).c_str());
     return ok ? 0 : 1;
 }
 

@@ -23,22 +23,29 @@ from .options import Command, cpu_option, model_option, prompt_options, read_pro
 @click.option("--libs", default=sweep.DEFAULT_LIBS, show_default=True, help="llama.cpp libraries, comma-separated.")
 @click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed rounds.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed rounds first.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Repeat the prompt to this many tokens and keep exactly those (long-prompt runs; at least "
+                   "the widest width) [default: the widest width's tokens].")
+@click.option("--decode", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also time N greedy decode tokens after the prompt, per library and round (0: off).")
 @threads_option
 @click.option("--plot", "plot_path", default=None, help="Also write the tokens/s-vs-width plot to this PNG.")
 @click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to create [default: evidence/runs/sweep-<time>-<id>].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, widths: str, libs: str,
-            runs: int, warmup: int, threads: int | None, plot_path: str | None, evidence_dir: str | None,
-            as_json: bool) -> None:
+            runs: int, warmup: int, prompt_tokens: int | None, decode: int, threads: int | None,
+            plot_path: str | None, evidence_dir: str | None, as_json: bool) -> None:
     """Prefill throughput of each library at each fixed band width, rounds interleaved.
 
     The prompt (default: the built-in one) is repeated until it has at least the widest width's
-    tokens. Each width is also checked once against its library's q1 (logits of every position and
-    the response, bit for bit). Exits 4 (after writing the evidence) when a width of the exact
-    library differs from its q1."""
+    tokens (--prompt-tokens: exactly that many). Each width is also checked once against its
+    library's q1 (logits of every position and the response, bit for bit). With --decode N each
+    round also times N greedy tokens after the prompt per library (decode tokens/s). Exits 4 (after
+    writing the evidence) when a width of the exact library differs from its q1."""
     plan = sweep.Plan(sweep.parse_libs(libs), sweep.parse_widths(widths), runs, warmup,
-                      read_prompt(prompt, prompt_file), model, weights, threads, settings.Settings.from_env())
+                      read_prompt(prompt, prompt_file), model, weights, threads, settings.Settings.from_env(),
+                      prompt_tokens, decode)
     if plot_path and not Path(plot_path).absolute().parent.is_dir():
         raise UsageError(f"--plot {plot_path}: its folder does not exist")
     dest = Path(evidence_dir) if evidence_dir else provenance.default_evidence_dir("sweep")
@@ -51,7 +58,8 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
         png = sweep.plot_png(r)
         options = {"libs": list(plan.libs), "widths_asked": list(plan.widths), "widths": list(r.widths),
                    "runs": runs, "warmup": warmup, "threads": r.threads, "model": model, "weights": weights,
-                   "verify_n_predict": sweep.VERIFY_N_PREDICT, "plot": plot_path}
+                   "verify_n_predict": sweep.VERIFY_N_PREDICT, "plot": plot_path, "prompt_tokens": prompt_tokens,
+                   "decode": decode}
         path, manifest_sha = sweep.write_evidence(writer, sys.argv, options, m, r, png)
     if plot_path:
         try:
@@ -80,6 +88,11 @@ def show(r: sweep.SweepResult, out: dict) -> None:
     if r.taxes:
         o.print("exactness tax (exact / stock median): "
                 + ", ".join(f"width {x.width} {x.ratio:.2f}x" for x in r.taxes), highlight=False, markup=False)
+    for d in r.decode:
+        o.print(f"decode after {r.n_prompt_tokens} tokens, {d.lib}: {d.median:.1f} tok/s (MAD {d.mad:.1f}, "
+                f"{len(d.samples)} rounds of {r.decode_tokens} tokens)", highlight=False, markup=False)
+    if r.decode_ratio is not None:
+        o.print(f"decode exact / stock: {r.decode_ratio:.2f}x", highlight=False, markup=False)
     if out["plot"]:
         o.print(f"plot {out['plot']}", highlight=False, markup=False)
     o.print(f"evidence {out['evidence_dir']}", highlight=False, markup=False)

@@ -3,6 +3,7 @@ share of responses identical to their solo cold run.
 
     .venv/bin/python benchmarks/serve.py                       # built-in tiny DeepSeek-V4 model
     .venv/bin/python benchmarks/serve.py --model M.gguf --requests 8 --json out.json
+    .venv/bin/python benchmarks/serve.py --probe-only --rounds 3      # the cache-hit probe alone
 
 For each library (one llama-server at a time on the machine, the configuration `dflash serve`
 runs: --parallel P, -b/-ub U, one KV stream per slot, prompt cache on), for each concurrency and
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from dflash import serve as ds  # noqa: E402
 from dflash import serve_workload as wl  # noqa: E402
 from dflash import serving, settings  # noqa: E402
+from dflash.fileio import write_atomic  # noqa: E402
 
 
 def _calls(mode: str, n: int, prefix_words: int, max_tokens: int, seed: int) -> list[wl.Call]:
@@ -172,11 +174,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="passes over the libraries, their order alternating")
+    ap.add_argument("--probe-only", action="store_true", help="only the cache-hit probe (no load rows)")
     ap.add_argument("--json", dest="json_out", default=None, help="write all rows to this file")
     ap.add_argument("extra", nargs="*", help="llama-server options after --")
     a = ap.parse_args()
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
-    a.modes = a.modes.split(",")
+    a.modes = [] if a.probe_only else a.modes.split(",")
     libs = a.libs.split(",")
     rounds = [[bench_library(lib, a) for lib in (libs if r % 2 == 0 else libs[::-1])] for r in range(a.rounds)]
     results = [_median_rows([res for rnd in rounds for res in rnd if res["lib"] == lib]) for lib in libs]
@@ -202,7 +205,7 @@ def main() -> None:
               f"({p['sibling_cached_tokens']} cached) {p['sibling_ttft_s']:.3f} s = {p['sibling_speedup']:.1f}x, "
               f"identical {p['sibling_identical_to_cold']}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"medians": results, "rounds": rounds}, indent=2) + "\n")
+        write_atomic(a.json_out, (json.dumps({"medians": results, "rounds": rounds}, indent=2) + "\n").encode())
 
 
 if __name__ == "__main__":

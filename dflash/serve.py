@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import build, engine, proofs, serve_record, server, serving, tiny_model
+from . import build, engine, gguf_meta, proofs, serve_record, server, serving, tiny_model
 from . import serve_workload as workload
 from .errors import LibraryNotBuilt, UsageError, arg
 from .provenance import default_evidence_dir, file_sha256
@@ -85,6 +85,10 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
                    file_sha256(str(path)), device, tuple(extra))
     env = {**os.environ, **s.library_env(), **build.server_env(lib, lib_dir=lib_dir),
            "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint, "DFLASH_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
+    env.pop(serving.CHECKPOINT_ENV, None)
+    every = serving.checkpoint_every(gguf_meta.read(path).compress_ratios)
+    if every:
+        env[serving.CHECKPOINT_ENV] = str(every)
     return ServeTarget(check, s, weights, model, env)
 
 

@@ -18,6 +18,11 @@ options below. What they pin, and why:
   --fit off       the context and batch sizes are the ones given, never adjusted to free memory
   prompt cache    on (llama-server's default): a reused prefix, a restored checkpoint and the RAM
                   cache are what `dflash qualify --serve` measures against cold runs
+  DFLASH_CHECKPOINT_EVERY=R (environment, DeepSeek-V4 only; server patch 0003)
+                  R = the least common multiple of the model's compress ratios (128): llama-server
+                  cannot cut this model's cache to a prefix, so it also checkpoints every position
+                  that is a multiple of R, where every compressed row is complete; a request that
+                  shares a prefix with a cached one restarts from the last such position
 
 Options a user passes after `--` go to llama-server as they are, except those dflash sets itself
 (refused: use dflash's flag) and those known to break exactness (refused unless allow_inexact).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -33,6 +39,7 @@ from .errors import UsageError, arg
 from .results import Json
 
 DEFAULT_PORT = 8080
+CHECKPOINT_ENV = "DFLASH_CHECKPOINT_EVERY"  # read by llama-server (server/patches/0003)
 MAX_PARALLEL = 64
 
 # llama-server options dflash sets from its own flags
@@ -173,3 +180,12 @@ def fingerprint(flavor: str, library_key: str, server_key: str, model_sha256: st
 
 def config_key(parts: Sequence[str]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def checkpoint_every(compress_ratios: Sequence[int]) -> int:
+    """The checkpoint spacing for a model's compress ratios (one per layer, 0 = no compressor):
+    their least common multiple, the positions where no compressor has a pooled row pending; 0
+    for a model without compressors (its cache is cut to any prefix; llama-server makes no
+    checkpoints for it)."""
+    ratios = sorted({int(r) for r in compress_ratios if int(r) > 0})
+    return math.lcm(*ratios) if ratios else 0

@@ -169,6 +169,41 @@ def test_serve_without_any_record_starts_and_answers_what_q1_computes(tmp_path):
     assert not list((cache / "dflash").glob("qualifications/serve-*.json")), "serve wrote a record"
 
 
+def _tokens(serving, text):
+    r = serving.post("/tokenize", {"content": text})
+    assert r.status == 200, r.text
+    return r.body["tokens"]
+
+
+def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact(serving):
+    """DeepSeek-V4's cache cannot be cut to a prefix: with server patch 0003 llama-server also
+    checkpoints every multiple of the compress ratios' lcm (128 on the tiny model), so a new suffix
+    on a ~1,000-token prefix is served from the last such position at or below the shared part
+    (stock llama-server: from 4 + n_ubatch tokens before the old prompt's end), the repeat from 4
+    tokens before the end; each identical to the same request alone and cold."""
+    every = 128
+    prefix = wl.words(800, 4242)
+    first, second = f"{prefix} {wl.words(10, 1)}", f"{prefix} {wl.words(10, 2)}"
+    a, b = _tokens(serving, first), _tokens(serving, second)
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert common > 3 * every, (common, len(a))
+    calls = {k: wl.Call(k, wl.COMPLETIONS, completion(p, 6)) for k, p in (("first", first), ("second", second))}
+    wl.send(serving.url, calls["first"])                       # evaluated cold; leaves its checkpoints
+    repeat = wl.send(serving.url, calls["first"])
+    sibling = wl.send(serving.url, calls["second"])
+    assert (repeat.status, sibling.status) == (200, 200)
+    # the old prompt's own checkpoints sit 4 and 4 + n_ubatch tokens before its end
+    ub = serving.info["config"]["ubatch"]
+    old_end = [len(a) - 4, len(a) - 4 - ub]
+    assert repeat.cached_tokens == len(a) - 4
+    want = max([c for c in old_end if 0 < c <= common] + [common // every * every])
+    assert want == common // every * every, (want, old_end, common)
+    assert sibling.cached_tokens == want, (sibling.cached_tokens, want, common, len(a))
+    for name, got in (("first", repeat), ("second", sibling)):
+        cold = wl.send(serving.url, calls[name], extra={"cache_prompt": False})
+        assert cold.cached_tokens == 0 and got.same_as(cold), name
+
+
 # ---- the official openai client --------------------------------------------------------------
 
 def test_openai_client_completions_chat_and_streaming(serving):

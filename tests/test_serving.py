@@ -210,3 +210,10 @@ def test_response_parts_from_a_stream_and_a_body():
     assert (r.text, r.tokens, r.cached_tokens, r.prompt_tokens, r.finish_reason) == ("hello", (1, 2), 4, 9, "length")
     assert r.logprobs == ((1, -0.1, ((1, -0.1),)), (2, -0.2, ()))
     assert wl._from_parts(call, 200, chunks[:1], 1.0, None).error  # no fingerprints: an error, never a pass
+
+
+def test_checkpoint_spacing_is_the_lcm_of_the_compress_ratios():
+    assert serving.checkpoint_every([0, 0, 4, 128, 4, 128]) == 128
+    assert serving.checkpoint_every([4, 4]) == 4
+    assert serving.checkpoint_every([6, 4, 0]) == 12
+    assert serving.checkpoint_every([]) == serving.checkpoint_every([0, 0]) == 0

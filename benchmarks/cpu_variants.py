@@ -1,7 +1,8 @@
 """Exact vs stock prefill speed per CPU build variant, side by side: one `dflash sweep --cpu V`
 per variant, model and prompt length (exact and stock workers, rounds interleaved, fixed-width
 bands, optionally decode tokens/s after the prompt), then one table of medians and exact/stock
-ratios per width.
+ratios per width: the ratio of the medians, and `paired`, the median over rounds of the ratio of
+the two requests run back to back (the steadier one on a machine whose speed drifts).
 
     .venv/bin/python benchmarks/cpu_variants.py                         # tiny q4_k_m + Gemma 3 270M
     .venv/bin/python benchmarks/cpu_variants.py --variants avx2 --runs 9 --json out.json
@@ -78,6 +79,11 @@ def table(results: list[dict]) -> str:
         if decode:
             ratios.append(f"{res['decode_exact_over_stock']:.2f}" if res.get("decode_exact_over_stock") else "-")
         lines.append(f"| | {res['cpu']} | exact / stock | " + " | ".join(ratios) + " |")
+        paired = {t["width"]: t.get("median_paired_ratio") for t in res.get("exactness_tax", [])}
+        cells = [f"{paired[w]:.2f}" if paired.get(w) else "-" for w in widths]
+        if decode:
+            cells.append(f"{res['decode_median_paired_ratio']:.2f}" if res.get("decode_median_paired_ratio") else "-")
+        lines.append(f"| | {res['cpu']} | paired | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

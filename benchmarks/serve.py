@@ -5,8 +5,9 @@ share of responses identical to their solo cold run.
     .venv/bin/python benchmarks/serve.py --model M.gguf --requests 8 --json out.json
     .venv/bin/python benchmarks/serve.py --probe-only --rounds 3      # the cache-hit probe alone
 
-For each library (one llama-server at a time on the machine, the configuration `dflash serve`
-runs: --parallel P, -b/-ub U, one KV stream per slot, prompt cache on), for each concurrency and
+Both libraries' llama-servers run at once (the configuration `dflash serve` runs: --parallel P,
+-b/-ub U, one KV stream per slot, prompt cache on), but only one computes at a time: for each
+concurrency and
 each prompt mode (`shared`: every prompt is the same ~N-token prefix plus its own suffix; `unique`:
 prompts of the same length with nothing in common), R streamed greedy completions of T tokens are
 sent by `concurrency` client threads. Timing window: from the first request sent to the last
@@ -16,12 +17,16 @@ answer read. Reported: generated tokens/s (all completion tokens / window), prom
 logits fingerprint) to the same request run alone with the prompt cache off on the same server.
 Then the cache-hit probe, each request alone: an N-token prompt cold (cache off), the same prompt
 again (a full-prompt cache hit), the same prefix with a new suffix (a shared-prefix hit): first-
-token times and their ratios to the cold runs. `--rounds` passes (library order alternating) give
-medians per row. Not a test: nothing is asserted.
+token times and their ratios to the cold runs. Each row runs on one library and then at once on
+the other (the order alternating row by row and round by round), so the two figures of a pair are
+taken seconds apart: a shared machine's speed drifts by tens of percent over the minutes a whole
+pass takes. `--rounds` rounds (new prompts each) give medians per row, and per row the median of
+the rounds' paired ratios. Not a test: nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -106,37 +111,59 @@ def _cache_probe(url: str, prefix_words: int, max_tokens: int, seed: int) -> dic
             "sibling_identical_to_cold": sibling.same_as(sibling_cold)}
 
 
-def bench_library(lib: str, a: argparse.Namespace) -> dict:
-    target = ds.target(a.model, lib=lib, extra=a.extra, settings=settings.Settings.from_env(lib=lib),
-                       build_missing=True, log=lambda s: print(f"[{lib}] {s}", file=sys.stderr))
-    config = serving.ServeConfig(a.parallel, a.ubatch, a.ctx, a.threads)
-    rows = []
-    with target.server(config) as srv:
-        url = srv.url
-        wl.send(url, wl.Call("warm", wl.COMPLETIONS, {"prompt": "warm up", "max_tokens": 4, "temperature": 0}))
-        for mode in a.modes:
-            for conc in a.concurrency:
-                row_seed = a.seed * 1_000_000 + conc * 10_000 + (0 if mode == "shared" else 5_000)
-                calls = _calls(mode, a.requests, a.prefix_words, a.max_tokens, row_seed)
-                got, window = _load(url, calls, conc)
-                solo = {c.key(): wl.send(url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False})
-                        for c in calls}
-                ok = [r for r in got if r.status == 200]
-                same = sum(r.same_as(solo[c.key()]) for c, r in zip(calls, got, strict=True))
-                ttft = [r.first_token_seconds for r in ok if r.first_token_seconds is not None]
-                row = {"lib": lib, "mode": mode, "concurrency": conc, "requests": len(calls), "ok": len(ok),
-                       "window_s": window,
-                       "generated_tok_s": sum(len(r.tokens) for r in ok) / window,
-                       "prompt_tok_s": sum(r.prompt_tokens - r.cached_tokens for r in ok) / window,
-                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
-                       "cached_tokens": sum(r.cached_tokens for r in ok),
-                       "identical_to_solo": same, "identical_share": same / len(calls)}
-                print(json.dumps(row), file=sys.stderr)
-                rows.append(row)
-        probe = _cache_probe(url, a.probe_words or a.prefix_words, a.max_tokens, a.seed)
+def _row(url: str, lib: str, mode: str, conc: int, seed: int, a: argparse.Namespace) -> dict:
+    """One row on one server: the load, then every call of it alone with the cache off."""
+    row_seed = seed * 1_000_000 + conc * 10_000 + (0 if mode == "shared" else 5_000)
+    calls = _calls(mode, a.requests, a.prefix_words, a.max_tokens, row_seed)
+    got, window = _load(url, calls, conc)
+    solo = {c.key(): wl.send(url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False}) for c in calls}
+    ok = [r for r in got if r.status == 200]
+    same = sum(r.same_as(solo[c.key()]) for c, r in zip(calls, got, strict=True))
+    ttft = [r.first_token_seconds for r in ok if r.first_token_seconds is not None]
+    row = {"lib": lib, "mode": mode, "concurrency": conc, "requests": len(calls), "ok": len(ok), "window_s": window,
+           "generated_tok_s": sum(len(r.tokens) for r in ok) / window,
+           "prompt_tok_s": sum(r.prompt_tokens - r.cached_tokens for r in ok) / window,
+           "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
+           "cached_tokens": sum(r.cached_tokens for r in ok),
+           "identical_to_solo": same, "identical_share": same / len(calls)}
+    print(json.dumps(row), file=sys.stderr)
+    return row
+
+
+def bench_round(libs: list[str], urls: dict[str, str], r: int, a: argparse.Namespace) -> list[dict]:
+    """One round: every row on every library back to back (their order alternating row by row and
+    round by round, so a pair of rows is measured seconds apart), then each library's cache probe.
+    Each round has prompts of its own (the servers live on, and a prompt of an earlier round would be
+    a cache hit); within a round both libraries get the same ones."""
+    seed = a.seed + 100 * r
+    rows: dict[str, list[dict]] = {lib: [] for lib in libs}
+    pairs = [(mode, conc) for mode in a.modes for conc in a.concurrency]
+    for i, (mode, conc) in enumerate(pairs):
+        for lib in (libs if (r + i) % 2 == 0 else libs[::-1]):
+            rows[lib].append(_row(urls[lib], lib, mode, conc, seed, a))
+    out = []
+    for lib in libs:
+        probe = _cache_probe(urls[lib], a.probe_words or a.prefix_words, a.max_tokens, seed)
         print(json.dumps({"lib": lib, "cache_probe": probe}), file=sys.stderr)
-    return {"lib": lib, "config": config.to_json(), "fingerprint": target.check.fingerprint, "rows": rows,
-            "cache_probe": probe, "model": target.check.model}
+        out.append({"lib": lib, "rows": rows[lib], "cache_probe": probe})
+    return out
+
+
+def bench(libs: list[str], a: argparse.Namespace) -> list[list[dict]]:
+    """Both libraries' servers up at once (one computes at a time: the rows run one after another),
+    `a.rounds` rounds; per round and library its rows and cache probe."""
+    config = serving.ServeConfig(a.parallel, a.ubatch, a.ctx, a.threads)
+    with contextlib.ExitStack() as stack:
+        urls, meta = {}, {}
+        for lib in libs:
+            target = ds.target(a.model, lib=lib, extra=a.extra, settings=settings.Settings.from_env(lib=lib),
+                               build_missing=True, log=lambda s, lib=lib: print(f"[{lib}] {s}", file=sys.stderr))
+            urls[lib] = stack.enter_context(target.server(config)).url
+            wl.send(urls[lib], wl.Call("warm", wl.COMPLETIONS, {"prompt": "warm up", "max_tokens": 4,
+                                                                 "temperature": 0}))
+            meta[lib] = {"config": config.to_json(), "fingerprint": target.check.fingerprint,
+                         "model": target.check.model}
+        return [[{**res, **meta[res["lib"]]} for res in bench_round(libs, urls, r, a)] for r in range(a.rounds)]
 
 
 def _median_rows(runs: list[dict]) -> dict:
@@ -155,6 +182,20 @@ def _median_rows(runs: list[dict]) -> dict:
     probe = {**probes[0], **{k: med(p[k] for p in probes) for k in probes[0] if k.endswith(("_s", "_speedup"))},
              **{k: all(p[k] for p in probes) for k in probes[0] if k.endswith("_to_cold")}}
     return {**runs[0], "rows": rows, "cache_probe": probe}
+
+
+def _paired(rounds: list[list[dict]], libs: list[str]) -> list[dict]:
+    """Per row: the first library's generated tokens/s over the second's, in each round (the two
+    rows of a round taken back to back), their median, and the ratio of the two medians."""
+    out = []
+    for i, first in enumerate(rounds[0][0]["rows"]):
+        by = [{res["lib"]: res["rows"][i]["generated_tok_s"] for res in rnd} for rnd in rounds]
+        ratios = [b[libs[0]] / b[libs[1]] for b in by]
+        out.append({"mode": first["mode"], "concurrency": first["concurrency"], "paired_ratios": ratios,
+                    "median_paired_ratio": statistics.median(ratios),
+                    "ratio_of_medians": statistics.median(b[libs[0]] for b in by)
+                    / statistics.median(b[libs[1]] for b in by)})
+    return out
 
 
 def main() -> None:
@@ -181,7 +222,7 @@ def main() -> None:
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
     a.modes = [] if a.probe_only else a.modes.split(",")
     libs = a.libs.split(",")
-    rounds = [[bench_library(lib, a) for lib in (libs if r % 2 == 0 else libs[::-1])] for r in range(a.rounds)]
+    rounds = bench(libs, a)
     results = [_median_rows([res for rnd in rounds for res in rnd if res["lib"] == lib]) for lib in libs]
     print(f"medians over {a.rounds} round(s), libraries alternating; identical counts summed over rounds")
     print("| lib | prompts | conc | gen tok/s | prompt tok/s | TTFT p50 | TTFT p95 | identical to solo |")
@@ -191,12 +232,11 @@ def main() -> None:
             print(f"| {r['lib']} | {r['mode']} | {r['concurrency']} | {r['generated_tok_s']:.0f} | "
                   f"{r['prompt_tok_s']:.0f} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | "
                   f"{r['identical_to_solo']}/{r['requests']} |")
-    if len(results) == 2:
-        a_rows, b_rows = results[0]["rows"], results[1]["rows"]
-        for x, y in zip(a_rows, b_rows, strict=True):
-            print(f"{x['mode']} c{x['concurrency']}: {results[0]['lib']}/{results[1]['lib']} generated tok/s "
-                  f"{x['generated_tok_s'] / y['generated_tok_s']:.3f}, prompt tok/s "
-                  f"{x['prompt_tok_s'] / y['prompt_tok_s']:.3f}")
+    paired = _paired(rounds, libs) if len(libs) == 2 else []
+    for p in paired:
+        print(f"{p['mode']} c{p['concurrency']}: {libs[0]}/{libs[1]} generated tok/s {p['ratio_of_medians']:.3f} "
+              f"(median of the rounds' paired ratios {p['median_paired_ratio']:.3f}: "
+              f"{', '.join(f'{x:.2f}' for x in p['paired_ratios'])})")
     for res in results:
         p = res["cache_probe"]
         print(f"{res['lib']}: {p['prompt_tokens']}-token prompt, first token cold {p['cold_ttft_s']:.3f} s; "
@@ -205,7 +245,8 @@ def main() -> None:
               f"({p['sibling_cached_tokens']} cached) {p['sibling_ttft_s']:.3f} s = {p['sibling_speedup']:.1f}x, "
               f"identical {p['sibling_identical_to_cold']}")
     if a.json_out:
-        write_atomic(a.json_out, (json.dumps({"medians": results, "rounds": rounds}, indent=2) + "\n").encode())
+        write_atomic(a.json_out, (json.dumps({"medians": results, "paired": paired, "rounds": rounds}, indent=2)
+                                  + "\n").encode())
 
 
 if __name__ == "__main__":

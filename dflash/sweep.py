@@ -7,9 +7,10 @@ each other down many times over); an idle worker blocks on its stdin and uses no
 
 Order: per library, one untimed verification request per width (logits of every position and a
 short response; a width is exact when both SHA-256 equal that library's width-1 request), then
-`warmup` untimed rounds and `runs` timed rounds. In a round every library runs every width once;
-the library order alternates between rounds. Every request is cache-cold and prefills the whole
-prompt in fixed-width bands (compressor boundaries ignored); timed requests keep the last
+`warmup` untimed rounds and `runs` timed rounds. In a round every library runs every width once,
+the libraries of a width back to back, their order alternating width by width and round by round.
+Every request is cache-cold and prefills the whole prompt in fixed-width bands (compressor
+boundaries ignored); timed requests keep the last
 position's logits only. The timing window is the band loop: every llama_decode of the prompt
 plus copying and hashing its logits (as prefill.run measures).
 
@@ -117,18 +118,26 @@ class Row:
 
 @dataclass(frozen=True)
 class Tax:
-    """What exactness costs at one width: the exact library's median over the stock one's."""
+    """What exactness costs at one width: the exact library's median over the stock one's, and per
+    round the ratio of the two requests measured back to back (their median is the steadier figure
+    on a machine whose speed drifts)."""
     width: int
     exact_median: float
     stock_median: float
+    paired: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
         return self.exact_median / self.stock_median
 
+    @property
+    def paired_median(self) -> float | None:
+        return stats.median(list(self.paired)) if self.paired else None
+
     def to_json(self) -> dict:
         return {"width": self.width, "exact_median": self.exact_median, "stock_median": self.stock_median,
-                "exact_over_stock": self.ratio}
+                "exact_over_stock": self.ratio, "paired_ratios": list(self.paired),
+                "median_paired_ratio": self.paired_median}
 
 
 @dataclass(frozen=True)
@@ -161,12 +170,18 @@ class SweepResult:
     cpu: str = "native"  # the CPU build variant both libraries ran (--cpu)
     decode_tokens: int = 0  # --decode: greedy tokens per decode request (0: none measured)
     decode: list[DecodeRow] = field(default_factory=list)
+    decode_paired: tuple[float, ...] = ()  # per round: exact decode tokens/s over stock's, back to back
 
     @property
     def decode_ratio(self) -> float | None:
         """Decode tokens/s of the exact library over the stock one's (medians), when both ran."""
         by = {d.lib: d.median for d in self.decode}
         return by["exact"] / by["stock"] if by.get("exact") and by.get("stock") else None
+
+    @property
+    def decode_paired_median(self) -> float | None:
+        """The median of the rounds' paired decode ratios (exact / stock, back to back)."""
+        return stats.median(list(self.decode_paired)) if self.decode_paired else None
 
     def row(self, lib: str, width: int) -> Row:
         return next(r for r in self.rows if r.lib == lib and r.width == width)
@@ -184,7 +199,8 @@ class SweepResult:
                 "exactness_tax": [t.to_json() for t in self.taxes], "stock_q1_median": self.stock_q1_median,
                 "exact_library_exact": self.exact_library_exact, "warnings": list(self.warnings),
                 "decode_tokens": self.decode_tokens, "decode": [d.to_json() for d in self.decode],
-                "decode_exact_over_stock": self.decode_ratio}
+                "decode_exact_over_stock": self.decode_ratio, "decode_paired_ratios": list(self.decode_paired),
+                "decode_median_paired_ratio": self.decode_paired_median}
 
 
 def summarize(samples: list[Sample], libs: Sequence[str], widths: Sequence[int]
@@ -204,9 +220,20 @@ def summarize(samples: list[Sample], libs: Sequence[str], widths: Sequence[int]
                             (v.logits_sha256, v.response_sha256) == (ref.logits_sha256, ref.response_sha256),
                             v.n_bands, v.logits_sha256, v.response_sha256,
                             med / stock_q1 if stock_q1 else None, med / medians[(lib, 1)]))
-    taxes = [Tax(w, medians[("exact", w)], medians[("stock", w)]) for w in widths
-             if ("exact", w) in medians and ("stock", w) in medians]
+    taxes = [Tax(w, medians[("exact", w)], medians[("stock", w)], paired_ratios(samples, "timed", w))
+             for w in widths if ("exact", w) in medians and ("stock", w) in medians]
     return rows, taxes, stock_q1
+
+
+def paired_ratios(samples: list[Sample], kind: str, width: int | None = None) -> tuple[float, ...]:
+    """Per round (in round order) the exact library's tokens/s over the stock one's, for the
+    requests of `kind` (and `width`) that round; rounds missing either library are left out."""
+    def tps(s: Sample) -> float:
+        return s.decode_tokens_per_second if kind == "decode" else s.tokens_per_second
+    by = {(s.lib, s.round): tps(s) for s in samples if s.kind == kind and width in (None, s.width)}
+    rounds = sorted({r for _, r in by})
+    return tuple(by[("exact", r)] / by[("stock", r)] for r in rounds
+                 if by.get(("exact", r)) and by.get(("stock", r)))
 
 
 def summarize_decode(samples: list[Sample], libs: Sequence[str]) -> list[DecodeRow]:
@@ -307,14 +334,17 @@ class Measurement:
 def schedule(libs: tuple[str, ...], widths: Sequence[int], warmup: int, runs: int,
              decode: bool = False) -> list[tuple[str, int, str, int]]:
     """(lib, width, kind, round) in run order: verification per library, then warm-up and timed
-    rounds, each round every library and width once, the library order alternating; with `decode`,
-    each round ends with one decode request per library (prefilled at the widest width)."""
+    rounds, each round every width once on every library, the libraries of one width back to back
+    (a pair measured seconds apart, whatever a shared machine's speed does over a round) in an
+    order that alternates width by width and round by round; with `decode`, each round ends with
+    one decode request per library (prefilled at the widest width)."""
     todo = [(lib, w, "verify", 0) for lib in libs for w in widths]
     for i in range(warmup + runs):
-        order = libs if i % 2 == 0 else tuple(reversed(libs))
         kind, rnd = ("warmup", i) if i < warmup else ("timed", i - warmup)
-        todo += [(lib, w, kind, rnd) for lib in order for w in widths]
+        for j, w in enumerate(widths):
+            todo += [(lib, w, kind, rnd) for lib in (libs if (i + j) % 2 == 0 else tuple(reversed(libs)))]
         if decode:
+            order = libs if (i + len(widths)) % 2 == 0 else tuple(reversed(libs))
             todo += [(lib, max(widths), "decode-warmup" if i < warmup else "decode", rnd) for lib in order]
     return todo
 
@@ -356,7 +386,7 @@ def result(plan: Plan, m: Measurement) -> SweepResult:
     return SweepResult(plan.libs, m.widths, plan.runs, plan.warmup, first["threads"], first["n_tokens"],
                        first["repeats"], first["provenance"]["model.json"]["path"], rows, taxes, stock_q1,
                        list(m.warnings), plan.settings.cpu if plan.settings else "native", plan.decode,
-                       summarize_decode(m.samples, plan.libs))
+                       summarize_decode(m.samples, plan.libs), paired_ratios(m.samples, "decode"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,13 +46,16 @@ def test_repeat_to():
     assert len(tok(" ".join(["abcdefghij"] * (k - 1)))) < 40  # the fewest repeats that reach it
 
 
-def test_schedule_interleaves_rounds_and_alternates_libraries():
+def test_schedule_puts_each_widths_libraries_back_to_back_and_alternates_them():
     todo = sweep.schedule(("exact", "stock"), (1, 4), warmup=1, runs=2)
     assert todo[:4] == [("exact", 1, "verify", 0), ("exact", 4, "verify", 0),
                         ("stock", 1, "verify", 0), ("stock", 4, "verify", 0)]
     rounds = [todo[4 + 4 * i: 8 + 4 * i] for i in range(3)]
-    assert [r[0][:3] for r in rounds] == [("exact", 1, "warmup"), ("stock", 1, "timed"), ("exact", 1, "timed")]
-    assert {(lib, w) for lib, w, _, _ in rounds[1]} == {("exact", 1), ("exact", 4), ("stock", 1), ("stock", 4)}
+    assert [[x[:2] for x in r] for r in rounds] == [
+        [("exact", 1), ("stock", 1), ("stock", 4), ("exact", 4)],   # warm-up
+        [("stock", 1), ("exact", 1), ("exact", 4), ("stock", 4)],   # timed round 0
+        [("exact", 1), ("stock", 1), ("stock", 4), ("exact", 4)]]   # timed round 1
+    assert [x[2] for x in rounds[0]] == ["warmup"] * 4
     assert [x[3] for x in todo if x[2] == "timed"] == [0] * 4 + [1] * 4
 
 
@@ -65,6 +68,18 @@ def test_schedule_with_decode_ends_every_round_with_one_decode_per_library():
     assert [x for x in todo if not x[2].startswith("decode")] == sweep.schedule(("exact", "stock"), (1, 4), 1, 2)
 
 
+def test_paired_ratios_pair_the_libraries_round_by_round():
+    tps = {("exact", 0): 10.0, ("stock", 0): 20.0, ("exact", 1): 30.0, ("stock", 1): 10.0, ("exact", 2): 5.0}
+    samples = [sweep.Sample(lib, 4, "timed", rnd, 1.0, v, "L", "R", 1) for (lib, rnd), v in tps.items()]
+    samples.append(sweep.Sample("exact", 1, "timed", 0, 1.0, 99.0, "L", "R", 1))  # another width: not paired
+    assert sweep.paired_ratios(samples, "timed", 4) == (0.5, 3.0)  # round 2 has no stock request
+    tax = sweep.Tax(4, 10.0, 20.0, (0.5, 3.0, 1.0))
+    assert tax.paired_median == 1.0 and tax.to_json()["median_paired_ratio"] == 1.0
+    assert sweep.Tax(4, 1.0, 1.0).paired_median is None
+    dec = [sweep.Sample(lib, 4, "decode", 0, 1.0, 0.0, "L", "R", 1, v) for lib, v in (("exact", 8.0), ("stock", 10.0))]
+    assert sweep.paired_ratios(dec, "decode") == (0.8,)
+
+
 def test_decode_summary_and_ratio():
     runs = [("exact", "decode-warmup", 1.0), ("exact", "decode", 9.0), ("exact", "decode", 11.0),
             ("stock", "decode", 20.0), ("stock", "decode", 20.0), ("stock", "timed", 99.0)]
@@ -72,9 +87,10 @@ def test_decode_summary_and_ratio():
     rows = sweep.summarize_decode(samples, ("exact", "stock"))
     assert [(d.lib, d.median, d.samples) for d in rows] == [("exact", 10.0, (9.0, 11.0)), ("stock", 20.0, (20.0, 20.0))]
     r = sweep.SweepResult(("exact", "stock"), (1, 4), 2, 0, 1, 100, 1, "m.gguf", [], [], None, decode_tokens=8,
-                          decode=rows)
+                          decode=rows, decode_paired=(0.4, 0.6, 0.5))
     d = json.loads(json.dumps(r.to_json()))
     assert d["decode_exact_over_stock"] == pytest.approx(0.5) and d["decode_tokens"] == 8
+    assert d["decode_median_paired_ratio"] == pytest.approx(0.5) and d["decode_paired_ratios"] == [0.4, 0.6, 0.5]
     assert d["decode"][0] == {"lib": "exact", "median_tokens_per_second": 10.0, "mad": 1.0, "samples": [9.0, 11.0],
                               "n": 2}
     assert sweep.SweepResult(("exact",), (1,), 1, 0, 1, 1, 1, "m", [], [], None).to_json()["decode"] == []
@@ -100,6 +116,8 @@ def test_summary_math():
     assert by[("exact", 4)].speedup_vs_stock_q1 == pytest.approx(1.6)
     assert by[("exact", 4)].speedup_vs_lib_q1 == pytest.approx(32 / 11)
     assert [(t.width, t.ratio) for t in taxes] == [(1, pytest.approx(11 / 20)), (4, pytest.approx(32 / 80))]
+    assert taxes[1].paired == pytest.approx((30 / 80, 34 / 70, 32 / 90))
+    assert taxes[1].paired_median == pytest.approx(30 / 80)
     r = sweep.SweepResult(("exact", "stock"), (1, 4), 3, 1, 1, 100, 1, "m.gguf", rows, taxes, stock_q1)
     d = json.loads(json.dumps(r.to_json()))
     assert d["exact_library_exact"] is True and d["exactness_tax"][1]["exact_over_stock"] == pytest.approx(0.4)

@@ -88,11 +88,15 @@ def show(r: sweep.SweepResult, out: dict) -> None:
     if r.taxes:
         o.print("exactness tax (exact / stock median): "
                 + ", ".join(f"width {x.width} {x.ratio:.2f}x" for x in r.taxes), highlight=False, markup=False)
+        o.print("median of the rounds' paired ratios (exact / stock, back to back): "
+                + ", ".join(f"width {x.width} {fmt(x.paired_median)}" for x in r.taxes), highlight=False,
+                markup=False)
     for d in r.decode:
         o.print(f"decode after {r.n_prompt_tokens} tokens, {d.lib}: {d.median:.1f} tok/s (MAD {d.mad:.1f}, "
                 f"{len(d.samples)} rounds of {r.decode_tokens} tokens)", highlight=False, markup=False)
     if r.decode_ratio is not None:
-        o.print(f"decode exact / stock: {r.decode_ratio:.2f}x", highlight=False, markup=False)
+        o.print(f"decode exact / stock: {r.decode_ratio:.2f}x (median of paired ratios "
+                f"{fmt(r.decode_paired_median)})", highlight=False, markup=False)
     if out["plot"]:
         o.print(f"plot {out['plot']}", highlight=False, markup=False)
     o.print(f"evidence {out['evidence_dir']}", highlight=False, markup=False)

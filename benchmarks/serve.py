@@ -7,9 +7,8 @@ share of responses identical to their solo cold run.
 
 Both libraries' llama-servers run at once (the configuration `dflash serve` runs: --parallel P,
 -b/-ub U, one KV stream per slot, prompt cache on), but only one computes at a time: for each
-concurrency and
-each prompt mode (`shared`: every prompt is the same ~N-token prefix plus its own suffix; `unique`:
-prompts of the same length with nothing in common), R streamed greedy completions of T tokens are
+concurrency and each prompt mode (`shared`: every prompt is the same ~N-token prefix plus its own
+suffix; `unique`: prompts of the same length with nothing in common), R streamed greedy completions of T tokens are
 sent by `concurrency` client threads. Timing window: from the first request sent to the last
 answer read. Reported: generated tokens/s (all completion tokens / window), prompt tokens/s
 (prompt tokens the server evaluated, cached ones excluded / window), time to first token p50/p95
@@ -214,7 +213,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="passes over the libraries, their order alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (new prompts each; library order alternating)")
     ap.add_argument("--probe-only", action="store_true", help="only the cache-hit probe (no load rows)")
     ap.add_argument("--json", dest="json_out", default=None, help="write all rows to this file")
     ap.add_argument("extra", nargs="*", help="llama-server options after --")

@@ -175,6 +175,24 @@ def _tokens(serving, text):
     return r.body["tokens"]
 
 
+def _prefix_hits(srv, every=128):
+    """A ~1,000-token prompt evaluated cold, then again (a repeat) and with a new suffix (a sibling)
+    on the same server; returns (tokens of the first, shared tokens, repeat, sibling, their cold
+    runs with the cache off)."""
+    prefix = wl.words(800, 4242)
+    first, second = f"{prefix} {wl.words(10, 1)}", f"{prefix} {wl.words(10, 2)}"
+    a, b = _tokens(srv, first), _tokens(srv, second)
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert common > 3 * every, (common, len(a))
+    calls = {k: wl.Call(k, wl.COMPLETIONS, completion(p, 6)) for k, p in (("first", first), ("second", second))}
+    wl.send(srv.url, calls["first"])                           # evaluated cold; leaves its checkpoints
+    repeat = wl.send(srv.url, calls["first"])
+    sibling = wl.send(srv.url, calls["second"])
+    assert (repeat.status, sibling.status) == (200, 200)
+    colds = [wl.send(srv.url, calls[k], extra={"cache_prompt": False}) for k in ("first", "second")]
+    return a, common, repeat, sibling, colds
+
+
 def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact(serving):
     """DeepSeek-V4's cache cannot be cut to a prefix: with server patch 0003 llama-server also
     checkpoints every multiple of the compress ratios' lcm (128 on the tiny model), so a new suffix
@@ -182,16 +200,7 @@ def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact
     (stock llama-server: from 4 + n_ubatch tokens before the old prompt's end), the repeat from 4
     tokens before the end; each identical to the same request alone and cold."""
     every = 128
-    prefix = wl.words(800, 4242)
-    first, second = f"{prefix} {wl.words(10, 1)}", f"{prefix} {wl.words(10, 2)}"
-    a, b = _tokens(serving, first), _tokens(serving, second)
-    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-    assert common > 3 * every, (common, len(a))
-    calls = {k: wl.Call(k, wl.COMPLETIONS, completion(p, 6)) for k, p in (("first", first), ("second", second))}
-    wl.send(serving.url, calls["first"])                       # evaluated cold; leaves its checkpoints
-    repeat = wl.send(serving.url, calls["first"])
-    sibling = wl.send(serving.url, calls["second"])
-    assert (repeat.status, sibling.status) == (200, 200)
+    a, common, repeat, sibling, colds = _prefix_hits(serving, every)
     # the old prompt's own checkpoints sit 4 and 4 + n_ubatch tokens before its end
     ub = serving.info["config"]["ubatch"]
     old_end = [len(a) - 4, len(a) - 4 - ub]
@@ -199,9 +208,20 @@ def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact
     want = max([c for c in old_end if 0 < c <= common] + [common // every * every])
     assert want == common // every * every, (want, old_end, common)
     assert sibling.cached_tokens == want, (sibling.cached_tokens, want, common, len(a))
-    for name, got in (("first", repeat), ("second", sibling)):
-        cold = wl.send(serving.url, calls[name], extra={"cache_prompt": False})
+    for name, got, cold in (("first", repeat, colds[0]), ("second", sibling, colds[1])):
         assert cold.cached_tokens == 0 and got.same_as(cold), name
+
+
+def test_the_stock_twin_of_the_prefix_hits_differs_from_its_cold_runs():
+    """The same hits on the stock library (same server binary and checkpoints, 64-token ubatches
+    that no record vouches for): the comparison with the cold runs must catch them differing."""
+    s = Serve("--lib", "stock", "--parallel", "1", "--ubatch", "64", "--allow-inexact")
+    try:
+        _, _, repeat, sibling, colds = _prefix_hits(s)
+        assert sibling.cached_tokens > 0, "no shared-prefix hit: nothing was compared"
+        assert not (repeat.same_as(colds[0]) and sibling.same_as(colds[1]))
+    finally:
+        assert s.stop() == 0, "".join(s.err[-20:])
 
 
 # ---- the official openai client --------------------------------------------------------------

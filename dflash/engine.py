@@ -122,6 +122,7 @@ class Engine:
     rpc_warnings: tuple[str, ...] = ()
     repack: bool = True  # weights in llama.cpp's extra buffer types (AMX, repacked); off: --no-repack, RPC runs
     indexer_shortcut: bool = False  # the library applies DeepSeek-V4's all-pooled indexer shortcut
+    indexer_tile: int = 0           # the DeepSeek-V4 indexer tile the library applies (0: none)
 
     @property
     def uncovered_weight_types(self) -> dict[str, int]:
@@ -308,7 +309,8 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     extra = repack_for(spec, repack)
     model = llama.Model(path, **placement, extra_bufts=extra, no_alloc=no_alloc, mmap=mmap)
     return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), str(spec), archs,
-                  remote, devices_json(spec, remote, gpus), tuple(rpc_warnings), extra, llama.indexer_shortcut())
+                  remote, devices_json(spec, remote, gpus), tuple(rpc_warnings), extra, llama.indexer_shortcut(),
+                  llama.indexer_tile())
 
 
 def repack_for(spec: devices.DeviceSpec, repack: bool = True) -> bool:

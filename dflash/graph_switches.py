@@ -84,6 +84,7 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
 # dflash's flags the libraries read; the record's key covers them through Settings (proofs.library_key)
 ENV_BY_SETTINGS = {
     "DFLASH_DS4_INDEXER_SHORTCUT": "cpu_kernels/patches/exact/0006-llama-ds4-indexer-all-pooled-shortcut.patch",
+    "DFLASH_DS4_INDEXER_TILE": "cpu_kernels/patches/exact/0007-llama-ds4-indexer-tiles.patch",
     "LUCE_MMVQ_MAX_NCOLS": "hip_kernels/ggml/dflash-mmvq.cu:36",
     "DFLASH_NARROW_MMVQ": "hip_kernels/ggml/dflash-mmvq.cu:56",
 }

@@ -89,6 +89,33 @@ def indexer_shortcut() -> bool:
     return bool(fn() != 0)
 
 
+def _dflash_fn(name: str) -> Any:
+    if _LIB_DIR is None:
+        raise DflashError("llama.cpp library not loaded (call load_library first)")
+    return getattr(ctypes.CDLL(str(_LIB_DIR / "libllama.so")), name, None)
+
+
+def indexer_tile() -> int:
+    """The DeepSeek-V4 indexer tile the loaded library applies (0: none; the exact library reads
+    DFLASH_DS4_INDEXER_TILE when it loads; other libraries have no tiles)."""
+    fn = _dflash_fn("llama_dflash_indexer_tile")
+    if fn is None:
+        return 0
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return int(fn())
+
+
+def set_indexer_tile(tile: int, plant: bool = False) -> bool:
+    """Set the indexer tile for graphs built from now on (contexts created afterwards); False when
+    the loaded library has no tiles."""
+    fn = _dflash_fn("llama_dflash_set_indexer_tile")
+    if fn is None:
+        return False
+    fn.restype, fn.argtypes = None, [ctypes.c_int, ctypes.c_int]
+    fn(int(tile), int(plant))
+    return True
+
+
 def supports_gpu() -> bool:
     return bool(_lib().llama_supports_gpu_offload())
 

@@ -82,7 +82,12 @@ class MemoryRow:
                 "indexer_scores_bytes": self.indexer_scores_bytes}
 
 
-def row(width: int, sizes: dict[str, int], rows: int | None) -> MemoryRow:
+def scored_rows(width: int, tile: int) -> int:
+    """Query rows whose indexer scores one ubatch holds at once: the width, or the tile when smaller."""
+    return min(width, tile) if tile > 0 else width
+
+
+def row(width: int, sizes: dict[str, int], rows: int | None, tile: int = 0) -> MemoryRow:
     dsv4 = sizes["kv"] + sizes["compressed_kv"] + sizes["indexer_cache"] + sizes["compressor_states"] \
         + sizes["kv_unused_base"] > 0
     return MemoryRow(
@@ -90,18 +95,20 @@ def row(width: int, sizes: dict[str, int], rows: int | None) -> MemoryRow:
         kv_bytes=sizes["kv"] + sizes["kv_unused_base"] if dsv4 else sizes["context"],
         compressed_kv_bytes=sizes["compressed_kv"],
         indexer_cache_bytes=sizes["indexer_cache"], compressor_state_bytes=sizes["compressor_states"],
-        compute_bytes=sizes["compute"], indexer_scores_bytes=None if rows is None else rows * width * SCORE_BYTES)
+        compute_bytes=sizes["compute"], indexer_scores_bytes=None if rows is None
+        else rows * scored_rows(width, tile) * SCORE_BYTES)
 
 
 def estimate(eng: Engine, n_ctx: int, widths: list[int],
              progress: Callable[[int, int], None] = lambda done, total: None) -> list[MemoryRow]:
     """One row per width for a context of n_ctx tokens on the engine's model (loaded with no_alloc
-    for an estimate, or for real for a measurement): a context is created and freed per width."""
+    for an estimate, or for real for a measurement): a context is created and freed per width, with
+    the indexer tile the engine's library applies (DFLASH_DS4_INDEXER_TILE)."""
     rows = indexer_rows(eng.info.compress_ratios, n_ctx)
     out = []
     for i, w in enumerate(widths):
         with eng.context(n_ctx, w) as ctx:
-            out.append(row(w, ctx.memory(), rows))
+            out.append(row(w, ctx.memory(), rows, eng.indexer_tile))
         progress(i + 1, len(widths))
     return out
 

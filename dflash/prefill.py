@@ -12,6 +12,7 @@ position and the library: no fingerprint is ever taken of them.
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,24 @@ def check_finite(out: np.ndarray, first_position: int, library: str) -> None:
                      f"{library} computed non-finite values (a broken or half-built library?)")
 
 
+KEEP_IN_MEMORY = 1 << 30  # kept logits larger than this many bytes go to an unlinked temporary file
+
+
+def logit_rows(n: int, n_vocab: int, start: int = 0) -> np.ndarray:
+    """A float32 (n, n_vocab) array for kept logits, NaN until written (a file-backed one: rows
+    before `start`, the rest zeros).
+    Past KEEP_IN_MEMORY bytes (Gemma's 262,144-token vocabulary over an 8K prompt: 8.8 GB) it maps
+    an unlinked temporary file, so that a reference and a run side by side stay in the page cache,
+    which the kernel can write back, instead of anonymous memory it can only kill for."""
+    if n * n_vocab * 4 <= KEEP_IN_MEMORY:
+        return np.full((n, n_vocab), np.nan, dtype=np.float32)
+    with tempfile.TemporaryFile(prefix="dflash-logits-") as f:
+        f.truncate(n * n_vocab * 4)
+        rows = np.memmap(f, dtype=np.float32, mode="r+", shape=(n, n_vocab))
+    rows[:start] = np.nan  # the rest reads as zeros until written
+    return rows
+
+
 def prefill(ctx: Context, req: Request, progress: Progress = _noop,
             on_band: Callable[[Band], None] | None = None, library: str = "") -> PromptOutput:
     """Clear the context (unless resuming) and run one llama_decode per band.
@@ -118,7 +137,7 @@ def prefill(ctx: Context, req: Request, progress: Progress = _noop,
         ctx.clear()
     n = len(req.tokens)
     h = hashlib.sha256()
-    kept = np.full((n, ctx.n_vocab), np.nan, dtype=np.float32) if req.keep_logits else None
+    kept = logit_rows(n, ctx.n_vocab, req.start) if req.keep_logits else None
     last = None
     t0 = time.perf_counter()
     for b in req.bands:
@@ -227,7 +246,7 @@ def describe(eng: Engine, r: RequestOutput, n_ctx: int, comparison: Q1Comparison
         bands_on=s.bands, chunk=s.chunk, chunk_requested=s.chunk_requested,
         band_mode="fixed" if s.fixed else "planner", mmvq_max_ncols=s.mmvq_max_ncols, qualification=s.qualified,
         threads=eng.threads, n_ctx=n_ctx, device=eng.device, devices=eng.placement, repack=eng.repack,
-        indexer_shortcut=eng.indexer_shortcut,
+        indexer_shortcut=eng.indexer_shortcut, indexer_tile=eng.indexer_tile,
         widths=tuple(r.widths),
         n_prompt_tokens=r.n_prompt_tokens, prefill_seconds=r.prefill_seconds,
         prefill_tokens_per_second=r.prefill_tokens_per_second, decode_seconds=r.decode_seconds,

@@ -70,7 +70,19 @@ from .cpu_isa import CPU_VARIANTS, NATIVE, refuse_unrunnable
 from .errors import DflashError, UsageError, arg
 from .fileio import sha256_file, write_atomic
 from .rpc import Remote
-from .settings import AUTO, ENV_LIB_DIR, FIXED, LIBS, MAX_BAND, MAX_CHUNK, PLANNER, Chunk, Qualified, Settings
+from .settings import (
+    AUTO,
+    ENV_LIB_DIR,
+    FIXED,
+    LIBS,
+    MAX_BAND,
+    MAX_CHUNK,
+    PLANNER,
+    Chunk,
+    Qualified,
+    Settings,
+    tile_text,
+)
 
 SCHEMA = "dflash.qualification"
 SCHEMA_VERSION = 2
@@ -402,6 +414,10 @@ def library_key(settings: Settings, kind: str = "cpu") -> tuple[str, str]:
         key = hashlib.sha256(routing.encode()).hexdigest()[:16]
     if settings.indexer_shortcut != "on":  # another graph (off), or a planted bug (force): not vouched for
         key = hashlib.sha256(f"{key}|indexer_shortcut={settings.indexer_shortcut}".encode()).hexdigest()[:16]
+    tile = getattr(settings, "indexer_tile", 0)
+    if tile:  # another graph: a record proves the tile it ran (a planted one proves nothing else)
+        text = tile_text(tile, getattr(settings, "indexer_tile_plant", False))
+        key = hashlib.sha256(f"{key}|indexer_tile={text}".encode()).hexdigest()[:16]
     return source, key
 
 

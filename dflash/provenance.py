@@ -126,6 +126,8 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
                           "flash_attn": {None: "auto", True: "on", False: "off"}[eng.flash_attn],
                           "extra_buffer_types": eng.repack,
                           "indexer_shortcut": {"mode": s.indexer_shortcut, "applied": eng.indexer_shortcut},
+                          "indexer_tile": {"requested": s.indexer_tile, "planted": s.indexer_tile_plant,
+                                           "applied": eng.indexer_tile},
                           "mmvq_from": s.mmvq_from, "env_as_given": dict(s.env_raw),
                           "env_exported": s.library_env()},
         "machine.json": machine_facts(),

@@ -26,7 +26,7 @@ runs really decoded: the planner never exceeds the smallest compress ratio (4 on
 so on such a model the planner runs of caps 5..8 use the same bands as cap 4; their fixed-width
 runs decode w-wide bands, so the largest exact width is the widest band of either run.
 
-Wide bands: widths up to 512 can be qualified; the per-width verdicts become a qualification
+Wide bands: widths up to 4096 can be qualified; the per-width verdicts become a qualification
 record (dflash/proofs.py) that --chunk auto and --chunk N > 4 run from. The recommended
 chunk is the widest width this run proves (what --chunk auto picks from its record), with the
 band mode: fixed-width bands across compressor boundaries when the fixed-width runs prove it,
@@ -266,12 +266,14 @@ def qualify(eng: Engine, tap: llama.GraphTap, tokens: list[int], widths: Iterabl
                            n_predict, step(k))
         planner = compare(ref, run, moe)
         requests.append(request_record(run, planner.exact))
+        del run  # its logits (GBs at wide widths on a large vocabulary) are not needed any more
         f = None
         if w in fixed:
             k += 1
             frun = run_schedule(eng, tap, f"fixed {w}", w, tokens, fixed[w], n_predict, step(k))
             f = compare(ref, frun, moe)
             requests.append(request_record(frun, f.exact))
+            del frun
         results.append(WidthResult(planner, f))
     rec = recommend({r.width: r.exact for r in results}, {r.width: r.widest_band for r in results})
     chunk, mode = proofs.widest_proven(verdicts(results))

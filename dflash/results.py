@@ -111,6 +111,7 @@ class PrefillResult:
     devices: tuple[Json, ...] = ({"id": "cpu"},)  # every --device part; RPC ones with endpoint and build
     repack: bool = True   # weights in llama.cpp's extra CPU buffer types (AMX, repacked); --no-repack, RPC: no
     indexer_shortcut: bool = False  # the loaded library applies DeepSeek-V4's all-pooled indexer shortcut
+    indexer_tile: int = 0           # the DeepSeek-V4 indexer tile the loaded library applies (0: none)
     memory_budget: Json | None = None  # --memory-budget: the budget, the width and its no_alloc estimate
 
     def to_json(self) -> Json:
@@ -129,7 +130,8 @@ class PrefillResult:
             "warnings": list(self.warnings),
             "uncovered_weight_types": dict(self.uncovered_weight_types),
             "devices": [dict(d) for d in self.devices], "repack": self.repack,
-            "indexer_shortcut": self.indexer_shortcut, "memory_budget": self.memory_budget,
+            "indexer_shortcut": self.indexer_shortcut, "indexer_tile": self.indexer_tile,
+            "memory_budget": self.memory_budget,
             **(self.comparison.to_json() if self.comparison is not None else _NO_COMPARISON),
         }
 
@@ -176,6 +178,7 @@ class PrefillResult:
             uncovered_weight_types=f.counts("uncovered_weight_types") if "uncovered_weight_types" in f.d else {},
             devices=tuple(f.objects("devices")), repack=f.boolean("repack"),
             indexer_shortcut=f.boolean("indexer_shortcut"),
+            indexer_tile=f.integer("indexer_tile") if "indexer_tile" in f.d else 0,
             memory_budget=f.get("memory_budget", (dict,), nullable=True))
 
 
@@ -625,9 +628,11 @@ class MemoryResult:
     device: str
     indexer_rows: int | None       # pooled rows an indexer scores per token at the end of the context
     rows: tuple[Any, ...]          # dflash.memory.MemoryRow, one per width
+    indexer_tile: int = 0          # the DeepSeek-V4 indexer tile the library applied (0: none)
 
     def to_json(self) -> Json:
         return {"model": self.model, "architecture": self.architecture, "n_ctx": self.n_ctx,
                 "measured": self.measured, "library": self.library.to_json(), "device": self.device,
-                "indexer_rows": self.indexer_rows, "rows": [r.to_json() for r in self.rows]}
+                "indexer_rows": self.indexer_rows, "indexer_tile": self.indexer_tile,
+                "rows": [r.to_json() for r in self.rows]}
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import UsageError, arg
 from .results import Json
+from .settings import MAX_CHUNK
 
 DEFAULT_PORT = 8080
 CHECKPOINT_ENV = "DFLASH_CHECKPOINT_EVERY"  # read by llama-server (server/patches/0003)
@@ -93,8 +94,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.parallel <= MAX_PARALLEL:
             raise UsageError(f"{arg('parallel')} {self.parallel} is outside 1..{MAX_PARALLEL}")
-        if not 1 <= self.ubatch <= 512:
-            raise UsageError(f"{arg('ubatch')} {self.ubatch} is outside 1..512")
+        if not 1 <= self.ubatch <= MAX_CHUNK:
+            raise UsageError(f"{arg('ubatch')} {self.ubatch} is outside 1..{MAX_CHUNK}")
         if self.ctx < 16:
             raise UsageError(f"{arg('ctx')} {self.ctx} is too small (at least 16 tokens per slot)")
         if self.threads < 1:

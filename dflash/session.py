@@ -43,7 +43,7 @@ from . import choice, devices, engine, evidence, llama, memory, prefill, proofs,
 from . import rpc as rpc_mod
 from .errors import UsageError, arg
 from .results import BenchResult, Json, Library, MemoryResult, PrefillResult, QualifyResult
-from .settings import ENV_BANDS, MAX_CHUNK, Chunk, Settings
+from .settings import ENV_BANDS, ENV_TILE, MAX_CHUNK, Chunk, Settings
 
 Say = Callable[[str], None]
 Progress = Callable[[int, int], None]
@@ -86,7 +86,7 @@ class Session:
     lib:           "exact" (batch-invariant) or "stock" (llama.cpp's defaults)
     device:        "cpu", "hip:N", "cuda:N", "rpc:N", or several joined by commas
     threads:       CPU threads (default: min(cores, 8))
-    chunk:         1..4, or 5..512 / "auto" with a qualification record (implies bands)
+    chunk:         1..4, or 5..4096 / "auto" with a qualification record (implies bands)
     bands:         True opts in to bands (q1 otherwise, unless the settings' flags opt in)
     memory_budget: bytes (or "96GiB") the run may allocate; `ctx` (or `budget_prompt`) sizes it
     rpc:           RPC servers ("HOST:PORT,..." or a sequence) whose devices rpc:N names
@@ -94,6 +94,8 @@ class Session:
     build:         build a library that is not built yet (else LibraryNotBuilt)
     no_alloc:      load metadata and shapes only (llama.cpp's no_alloc): for memory() estimates
     max_band:      the widest band a context is made for (default: each request's widest band)
+    indexer_tile:  DeepSeek-V4's indexer scores and top-k over N query rows at a time (0: the whole
+                   ubatch; default: the settings' DFLASH_DS4_INDEXER_TILE); bit-identical, smaller scratch
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHTS,
@@ -102,7 +104,8 @@ class Session:
                  budget_prompt: Prompt = None, budget_n_predict: int = 16,
                  rpc: str | Sequence[str] | None = None, allow_mixed_builds: bool = False, repack: bool = True,
                  settings: Settings | None = None, build: bool = False, no_alloc: bool = False, mmap: bool = True,
-                 max_band: int | None = None, log: Say = _quiet, warn: Say = _quiet):
+                 max_band: int | None = None, indexer_tile: int | None = None, log: Say = _quiet,
+                 warn: Say = _quiet):
         self._engine: engine.Engine | None = None
         self._context: llama.Context | None = None
         model_path = None if model is None else os.fspath(model)
@@ -111,6 +114,10 @@ class Session:
         if max_band is not None and not 1 <= max_band <= MAX_CHUNK:
             raise UsageError(f"{arg('max_band')} {max_band} is outside 1..{MAX_CHUNK}")
         env = settings.env if settings is not None else {}
+        if indexer_tile is not None:
+            if isinstance(indexer_tile, bool) or not isinstance(indexer_tile, int):
+                raise UsageError(f"{arg('indexer_tile')} {indexer_tile!r} is not an integer")
+            env = {**env, ENV_TILE: str(indexer_tile)}  # checked with the other flags (settings.resolve)
         self.log, self.warn, self.ctx, self.max_band = log, warn, ctx, max_band
         self.remote = rpc_mod.connect(_endpoints(rpc), devices.parse_spec(device).rpc_ids, allow_mixed_builds)
         budget = None
@@ -332,7 +339,8 @@ class Session:
         n_ctx = eng.context_size(0, 0, ctx)  # checked against the model's context length
         rows = memory.estimate(eng, n_ctx, ws, progress)
         return MemoryResult(str(eng.info.path), eng.info.architecture, n_ctx, not self.no_alloc, self.library,
-                            eng.device, memory.indexer_rows(eng.info.compress_ratios, n_ctx), tuple(rows))
+                            eng.device, memory.indexer_rows(eng.info.compress_ratios, n_ctx), tuple(rows),
+                            eng.indexer_tile)
 
     def provenance(self, text: str, tokens: Sequence[int]) -> dict[str, dict[str, Any]]:
         """The provenance records of a run on this session (command, library, model, prompt, machine)."""

@@ -8,6 +8,10 @@ Flags:
   DFLASH_DS4_INDEXER_SHORTCUT     boolean, default on (the exact library): skip DeepSeek-V4's indexer
                                   query, scoring and top-k while every pooled row fits in the top-k;
                                   `force` applies it always (wrong: a planted bug for negative controls)
+  DFLASH_DS4_INDEXER_TILE         N > 0 (the exact library): DeepSeek-V4's indexer scores and top-k
+                                  run over a ubatch's query rows N at a time (bit-identical; the score
+                                  scratch follows N, not the width); 0 or unset: the whole ubatch;
+                                  `N:plant` is a planted bug for negative controls (`--indexer-tile`)
   DFLASH_LLAMA_LIB_DIR            load libllama.so from this folder instead of the built one
   DFLASH_CPU_VARIANT              the CPU build variant: native (default), avx512, avx512-noamx or
                                   avx2 (`--cpu`, which sets it for the run and its workers)
@@ -16,7 +20,7 @@ Flags:
                                   edge through `debug_flag`, before any Settings exist)
 The library reads no environment: `from_env()` is the explicit way to take these flags from
 os.environ (the CLI does); `resolve(env, ...)` takes them from any mapping ({} for none).
-Option chunk: 1..4 (narrow bands, as the flags above say), or 5..512 and `auto`, which need a
+Option chunk: 1..4 (narrow bands, as the flags above say), or 5..4096 and `auto`, which need a
 qualification record (dflash/proofs.py): dflash/choice.py looks it up and passes what it proves
 as `qualified`; both imply bands on unless bands=False.
 The effective LUCE_MMVQ_MAX_NCOLS and DFLASH_NARROW_MMVQ are exported to the process before
@@ -37,15 +41,17 @@ ENV_BANDS = "DFLASH_DS4_EXACT_PREFILL_BANDS"
 ENV_MMVQ = "LUCE_MMVQ_MAX_NCOLS"
 ENV_NARROW = "DFLASH_NARROW_MMVQ"
 ENV_SHORTCUT = "DFLASH_DS4_INDEXER_SHORTCUT"
+ENV_TILE = "DFLASH_DS4_INDEXER_TILE"
 ENV_LIB_DIR = "DFLASH_LLAMA_LIB_DIR"
 ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
 ENV_CPU = "DFLASH_CPU_VARIANT"
-ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
+ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_TILE, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
 SHORTCUT_MODES = ("on", "off", "force")  # DFLASH_DS4_INDEXER_SHORTCUT: a boolean, or force
 
 MAX_BAND = 4               # widest band the narrow kernels serve (--chunk without a record)
-MAX_CHUNK = 512            # widest --chunk a qualification record can prove
+MAX_CHUNK = 4096           # widest --chunk a qualification record can prove
+MAX_TILE = MAX_CHUNK       # widest DeepSeek-V4 indexer tile (a tile >= the width is no tiling)
 AUTO = "auto"              # --chunk auto: the widest width the record proves exact
 PLANNER, FIXED = "planner", "fixed"  # how a record proved a width: the planner's bands, or bands
                                      # of exactly that width across compressor boundaries
@@ -128,6 +134,8 @@ class Settings:
     narrow: bool = True               # DFLASH_NARROW_MMVQ: the HIP build's dflash hooks on
     indexer_shortcut: str = "on"      # DFLASH_DS4_INDEXER_SHORTCUT: on, off, or force (a planted bug)
     cpu: str = NATIVE                 # the CPU build variant (--cpu, DFLASH_CPU_VARIANT)
+    indexer_tile: int = 0             # DFLASH_DS4_INDEXER_TILE: query rows per indexer tile (0: none)
+    indexer_tile_plant: bool = False  # `N:plant`: the planted tile bug (negative controls only)
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None, *, bands: bool | None = None, chunk: Chunk | None = None,
@@ -157,7 +165,8 @@ class Settings:
         hooks are on (a HIP build reads both, once), and the indexer shortcut's mode (the exact
         library reads it once)."""
         return {ENV_MMVQ: str(self.mmvq_max_ncols), ENV_NARROW: "1" if self.narrow else "0",
-                ENV_SHORTCUT: {"on": "1", "off": "0", "force": "force"}[self.indexer_shortcut]}
+                ENV_SHORTCUT: {"on": "1", "off": "0", "force": "force"}[self.indexer_shortcut],
+                ENV_TILE: tile_text(self.indexer_tile, self.indexer_tile_plant)}
 
     @property
     def env(self) -> dict[str, str]:
@@ -169,6 +178,26 @@ class Settings:
             return [f"bands wider than {ENV_MMVQ}={self.mmvq_max_ncols} run batched kernels and "
                     f"leave the narrow exact path (--chunk {self.chunk})"]
         return []
+
+
+def tile_text(tile: int, plant: bool = False) -> str:
+    """DFLASH_DS4_INDEXER_TILE's value for a tile (0: none) and the planted bug."""
+    return f"{tile}:plant" if plant and tile > 0 else str(tile)
+
+
+def parse_tile(value: str, name: str = ENV_TILE) -> tuple[int, bool]:
+    """(tile, planted) from `N`, `N:plant` or empty (0, no tiles)."""
+    text = value.strip().lower()
+    if not text:
+        return 0, False
+    number, plant = (text[:-len(":plant")], True) if text.endswith(":plant") else (text, False)
+    try:
+        tile = int(number)
+    except ValueError:
+        raise UsageError(f"{name} {value!r} is malformed (use 0..{MAX_TILE}, 0 for no tiles)") from None
+    if not 0 <= tile <= MAX_TILE or (plant and tile == 0):
+        raise UsageError(f"{name} {value!r} is out of range: use 0..{MAX_TILE} (0: no tiles)")
+    return tile, plant
 
 
 def env_bool(name: str, env: Mapping[str, str] | None = None) -> bool | None:
@@ -245,8 +274,9 @@ def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk |
     raw_shortcut = env.get(ENV_SHORTCUT, "").strip().lower()
     shortcut = ("force" if raw_shortcut == "force" else
                 "off" if env_bool(ENV_SHORTCUT, env) is False else "on")  # unset or empty: on
+    tile, plant = parse_tile(env.get(ENV_TILE, ""), f"{arg('indexer_tile')} / {ENV_TILE}")
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
                     chunk_requested=requested, qualified=qualified, narrow=narrow, indexer_shortcut=shortcut,
-                    cpu=cpu)
+                    cpu=cpu, indexer_tile=tile, indexer_tile_plant=plant)

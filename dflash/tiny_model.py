@@ -92,7 +92,7 @@ class TinyConfig:
     n_ff_exp: int = 128
     n_shared: int = 1
     hash_layers: int = 1
-    n_ctx_train: int = 4096
+    n_ctx_train: int = 16384
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:

@@ -173,7 +173,20 @@ def first_differing_row(a: np.ndarray, b: np.ndarray) -> tuple[int | None, int, 
     """(first row whose bits differ or None, rows differing, max |a - b|) of two equal-shape arrays."""
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
-    same = np.all(_bits(a).reshape(a.shape[0], -1) == _bits(b).reshape(b.shape[0], -1), axis=1)
-    n_bad = int(same.size - np.count_nonzero(same))
-    first = None if n_bad == 0 else int(np.argmin(same))
-    return first, n_bad, max_abs_delta(a, b)
+    n = a.shape[0]
+    if n == 0:
+        return None, 0, max_abs_delta(a, b)
+    # in blocks of rows of about 16 MB, so that the float64 copies of max_abs_delta stay small for
+    # logits of 8K positions x 262K tokens (file-backed: prefill.logit_rows)
+    step = max(1, (1 << 24) // max(1, a[0].nbytes))
+    first, n_bad, worst = None, 0, 0.0
+    for i in range(0, n, step):
+        x, y = a[i:i + step], b[i:i + step]
+        same = np.all(_bits(x).reshape(x.shape[0], -1) == _bits(y).reshape(y.shape[0], -1), axis=1)
+        bad = int(same.size - np.count_nonzero(same))
+        if bad and first is None:
+            first = i + int(np.argmin(same))
+        n_bad += bad
+        d = max_abs_delta(x, y)
+        worst = d if (np.isnan(d) or d > worst) and not np.isnan(worst) else worst
+    return first, n_bad, worst

@@ -1,8 +1,9 @@
 """Helper run by tests/test_ds4_long_context.py in its own process (the library reads
-DFLASH_DS4_INDEXER_SHORTCUT once): decode a prompt in bands of 4 and print, as JSON, the start of
-every band whose graph ran the indexer's top-k (a node named lid_top_k-N).
+DFLASH_DS4_INDEXER_SHORTCUT and DFLASH_DS4_INDEXER_TILE when it loads): decode a prompt in bands of
+WIDTH (default 4) and print, as JSON, the start of every band whose graph ran the indexer's top-k
+(a node named lid_top_k-N) and of every band whose top-k ran in tiles (lid_top_k_tiled-N).
 
-    python tests/ds4_indexer_nodes.py MODEL N_TOKENS
+    python tests/ds4_indexer_nodes.py MODEL N_TOKENS [WIDTH]
 """
 import json
 import sys
@@ -10,20 +11,24 @@ import sys
 from dflash import engine, llama, settings
 
 
-def main(model: str, n: int) -> None:
+def main(model: str, n: int, width: int) -> None:
     eng = engine.open_engine(settings.from_env(bands=True), model, threads=2)
     tokens = (eng.tokenize(engine.DEFAULT_PROMPT * 20))[:n]
     if len(tokens) < n:
         raise SystemExit(f"the prompt has {len(tokens)} tokens, fewer than {n}")
     tap = llama.GraphTap(lambda name: name.startswith("lid_top_k"))
-    with eng, eng.context(n + 4, 4, eval_callback=tap.callback) as ctx:
-        ran = []
-        for p in range(0, n, 4):
-            ctx.decode(tokens[p:p + 4], p, "none")
-            if tap.take():
+    with eng, eng.context(n + 4, width, eval_callback=tap.callback) as ctx:
+        ran, tiled = [], []
+        for p in range(0, n, width):
+            ctx.decode(tokens[p:p + width], p, "none")
+            names = [node[0] for node in tap.take()]
+            if names:
                 ran.append(p)
-    print(json.dumps({"indexer_shortcut": eng.indexer_shortcut, "bands_with_top_k": ran}))
+            if any(name.startswith("lid_top_k_tiled") for name in names):
+                tiled.append(p)
+    print(json.dumps({"indexer_shortcut": eng.indexer_shortcut, "indexer_tile": eng.indexer_tile,
+                      "bands_with_top_k": ran, "bands_with_tiles": tiled}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 4)

@@ -86,8 +86,8 @@ def test_bad_model_files_are_one_line_errors(tmp_path, tiny_models, kind, needle
 def test_prompt_longer_than_context(tiny_models):
     r = run_dflash("prefill", "--model", tiny_models["q4_0"], "--prompt", "x" * 5000, "--ctx", 512)
     assert_one_line_error(r, 2, "does not fit", "--ctx 512")
-    r = run_dflash("prefill", "--model", tiny_models["q4_0"], "--prompt", "x" * 30000)  # > 4096 tokens
-    assert_one_line_error(r, 2, "context length 4096")
+    r = run_dflash("prefill", "--model", tiny_models["q4_0"], "--prompt", "x " * 50000)  # 20,000 tokens > 16384
+    assert_one_line_error(r, 2, "context length 16384")
 
 
 def test_debug_shows_traceback():

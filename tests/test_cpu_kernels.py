@@ -554,6 +554,29 @@ def test_flash_attention_over_long_caches_and_their_views(harness):
     assert_caught(planted)
 
 
+WIDE = "1,2,513,1024,1500,2048,4096"  # --chunk up to 4096 (dflash.settings.MAX_CHUNK)
+
+
+@CROSS_VARIANTS
+def test_widths_beyond_512_are_invariant(harness):
+    """The widths --chunk takes past 512, up to 4,096 tokens per ubatch: products of the tinyBLAS,
+    plain, repacked and tiled K-quant families (MUL_MAT and MUL_MAT_ID) and flash attention over
+    4,608 F16 and F32 cells, every column bit-identical to width 1; the planted twin is caught at
+    every wide width and the stock library differs."""
+    types = ["f32", "f16", "q8_0", "q4_0", "mxfp4", "q4_K", "q6_K", "iq4_xs"]
+    checks = [["--type", t, "--op", op, "--widths", WIDE] for t in types for op in ("mul_mat", "mul_mat_id")]
+    checks += [[*FA, "--type", c, "--kv", 4608, "--widths", WIDE] for c in ("f16", "f32")]
+    _, results = run_checks(harness["exact"], *checks, timeout=900)
+    for r in results:
+        assert_invariant([r], widths=len(WIDE.split(",")))
+    _, planted = run_checks(harness["exact"], ["--type", "q4_K", "--widths", WIDE, "--plant"],
+                            [*FA, "--kv", 4608, "--widths", WIDE, "--plant"])
+    assert_caught(planted)
+    _, stock = run_checks(harness["stock"], ["--type", "q4_K", "--widths", WIDE],
+                          [*FA, "--type", "f16", "--kv", 4608, "--widths", WIDE])
+    assert all(r.differing() for r in stock), [r.describe() for r in stock]
+
+
 @EVERY_VARIANT
 def test_stock_flash_attention_is_caught_by_masked_cells_moving(harness):
     """The stock library's kernels walk the cache by cell index: the same visible cells with masked

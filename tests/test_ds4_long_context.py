@@ -14,7 +14,7 @@ import pytest
 
 from dflash import memory, tiny_model
 from dflash.errors import UsageError
-from dflash.settings import ENV_SHORTCUT
+from dflash.settings import ENV_SHORTCUT, ENV_TILE
 
 from .conftest import CLEAN_ENV, ROOT, run_dflash, run_json
 
@@ -112,6 +112,80 @@ def test_prefill_reports_whether_the_library_applies_the_shortcut(model_256):
     assert run_json(*args, "--lib", "stock")["indexer_shortcut"] is False  # the stock library has no shortcut
     r = run_dflash(*args, env=shortcut_env("maybe"))
     assert r.returncode == 2 and ENV_SHORTCUT in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# indexer tiles
+
+def tile_env(value: str) -> dict:
+    return {ENV_TILE: value}
+
+
+def indexer_nodes(model, n: int, width: int, env: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV} | env
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "ds4_indexer_nodes.py"), str(model), str(n), str(width)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_tiles_run_where_the_indexer_runs_on_a_band_wider_than_the_tile(model_256):
+    """Bands of 256 over 1,536 tokens with tiles of 64: the bands that run the indexer's top-k (past
+    256 pooled rows) run it in tiles; without a tile, or with a tile as wide as the band, none do."""
+    tiled = indexer_nodes(model_256, 1536, 256, tile_env("64"))
+    assert tiled["indexer_tile"] == 64
+    assert tiled["bands_with_top_k"] == [1024, 1280]  # the bands ending past position 1024
+    assert tiled["bands_with_tiles"] == tiled["bands_with_top_k"]
+    for value in ("0", "256"):
+        plain = indexer_nodes(model_256, 1536, 256, tile_env(value))
+        assert plain["bands_with_top_k"] == [1024, 1280] and plain["bands_with_tiles"] == []
+
+
+@pytest.mark.parametrize("tile", ["64", "100"])
+def test_indexer_tiles_are_bit_identical_to_q1_and_to_the_whole_ubatch(model_256, prompts, tile, tmp_path):
+    """qualify with tiles of 64 and 100 (an uneven last tile): fixed bands of 512 cross the top-k
+    (bands ending past position 1024 run the indexer over 5 to 8 tiles), the planner at 4 and q1;
+    every run bit-identical to q1, and every hash equal to the untiled run's."""
+    args = ("qualify", "--model", model_256, "--prompt-file", prompts["crossing"], "--widths", "1,4,512",
+            "--threads", "2", "--n-predict", "4")
+    tiled = run_json(*args, "--indexer-tile", tile, "--evidence", tmp_path / "tiled")
+    whole = run_json(*args, "--evidence", tmp_path / "whole", env=tile_env("0"))
+    assert tiled["all_exact"] and whole["all_exact"]
+    assert tiled["n_tokens"] > ROWS_AT_TOP_K + 64
+    wide = next(r for r in tiled["results"] if r["width"] == 512)["fixed_width"]
+    assert wide["widest_band"] > int(tile)
+    for a, b in zip(tiled["results"], whole["results"], strict=True):
+        assert (a["width"], a["logits_sha256"], a["response_sha256"]) == (b["width"], b["logits_sha256"],
+                                                                          b["response_sha256"])
+        if a["fixed_width"] is not None:
+            assert a["fixed_width"]["logits_sha256"] == b["fixed_width"]["logits_sha256"]
+
+
+def test_a_planted_tile_bug_is_caught(model_256, prompts, tmp_path):
+    """Negative control: `64:plant` gives every tile after the first the first tile's mask rows.
+    The same qualification must see the wide bands differ from q1 (q1 itself runs no tiles)."""
+    d = run_json("qualify", "--model", model_256, "--prompt-file", prompts["crossing"], "--widths", "1,512",
+                 "--threads", "2", "--n-predict", "4", "--evidence", tmp_path / "planted", env=tile_env("64:plant"))
+    assert not d["all_exact"]
+    q1, wide = d["results"]
+    assert q1["exact"] and not wide["fixed_width"]["exact"]
+    assert wide["fixed_width"]["first_diff_position"] >= ROWS_AT_TOP_K  # where the indexer runs, not before
+
+
+def test_the_tile_is_checked_reported_and_keyed(model_256):
+    args = ("prefill", "--model", model_256, "--prompt", "a short prompt", "--threads", "2", "--n-predict", "1")
+    assert run_json(*args)["indexer_tile"] == 0
+    assert run_json(*args, "--indexer-tile", "128")["indexer_tile"] == 128
+    assert run_json(*args, env=tile_env("96"))["indexer_tile"] == 96
+    assert run_json(*args, "--lib", "stock", "--indexer-tile", "128")["indexer_tile"] == 0  # stock has no tiles
+    for value in ("many", "-1", "0:plant", "4097"):
+        r = run_dflash(*args, env=tile_env(value))
+        assert r.returncode == 2 and ENV_TILE in r.stderr and len(r.stderr.strip().splitlines()) == 1, value
+    r = run_dflash(*args, "--indexer-tile", "-3")
+    assert r.returncode == 2 and "--indexer-tile" in r.stderr
+    from dflash import proofs, settings
+    keys = {v: proofs.library_key(settings.resolve(tile_env(v)))[1] for v in ("0", "64", "128", "64:plant")}
+    assert len(set(keys.values())) == 4  # a record proves the tile it ran, and a planted one nothing else
 
 
 def test_tiny_model_indexer_options_are_checked():

@@ -154,7 +154,7 @@ def test_thread_counts_llama_cpp_cannot_take_are_usage_errors(threads):
 
 
 @pytest.mark.parametrize("ctx, why", [(str(2**32), "1<=x<=4294967295"), (str(2**32 + 400), "1<=x<=4294967295"),
-                                      ("4097", "exceeds the model's context length 4096")])
+                                      ("16385", "exceeds the model's context length 16384")])
 def test_ctx_is_checked_against_the_c_type_and_the_model(ctx, why):
     r = run_dflash("prefill", "--ctx", ctx, "--threads", "1", "--json")
     assert r.returncode == 2 and r.stdout == "" and why in _one_line(r.stderr)
@@ -198,10 +198,10 @@ def test_one_boolean_parser_for_every_command(command):
 
 
 def test_debug_keeps_the_documented_exit_codes():
-    r = run_dflash("--debug", "prefill", "--ctx", "5000", "--threads", "1")
+    r = run_dflash("--debug", "prefill", "--ctx", "17000", "--threads", "1")
     assert r.returncode == 2
     assert "Traceback" in r.stderr and r.stderr.rstrip().splitlines()[-1].startswith("dflash: usage error:")
-    r = run_dflash("prefill", "--ctx", "5000", env={"DFLASH_DEBUG": "1"})
+    r = run_dflash("prefill", "--ctx", "17000", env={"DFLASH_DEBUG": "1"})
     assert r.returncode == 2
 
 

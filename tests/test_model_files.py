@@ -41,7 +41,7 @@ def test_metadata_of_tiny_model(tiny_models):
     info = gguf_meta.read(tiny_models["mxfp4"])
     assert info.architecture == "deepseek4"
     assert info.compress_ratios == (0, 4, 128, 4, 128)
-    assert (info.sliding_window, info.context_length, info.vocab_size, info.n_layers) == (64, 4096, 512, 5)
+    assert (info.sliding_window, info.context_length, info.vocab_size, info.n_layers) == (64, 16384, 512, 5)
     assert {"Q8_0", "MXFP4", "BF16"} <= set(info.weight_types)
     assert "Q4_0" in gguf_meta.read(tiny_models["q4_0"]).weight_types
 

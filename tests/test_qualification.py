@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash import build, proofs, settings
+from dflash import build, engine, proofs, settings
 from dflash.errors import UsageError
 
 from .conftest import run_dflash, run_json
@@ -58,7 +58,7 @@ def edited(**changes):
     (edited(updated_utc="yesterday"), "updated_utc"),
     (edited(widths=[]), "non-empty list"),
     (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[0]), fixed_exact=1)]), "fixed_exact is not true or false"),
-    (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[1]), width=513)]), "not in 1..512"),
+    (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[1]), width=4097)]), "not in 1..4096"),
     (edited(widths=[dict(dataclasses.asdict(ALL_EXACT[1]), fixed_widest_band=5)]),
      "fixed_widest_band is not in 1..4"),
     (edited(widths=[dataclasses.asdict(ALL_EXACT[1]), dataclasses.asdict(ALL_EXACT[0])]), "sorted and unique"),
@@ -160,12 +160,12 @@ def test_dir_key_hashes_the_library_files(tmp_path):
 # --chunk parsing and settings
 
 @pytest.mark.parametrize("text,value", [("auto", "auto"), ("AUTO", "auto"), ("1", 1), (" 4 ", 4),
-                                        ("512", 512), (64, 64), (None, None)])
+                                        ("512", 512), ("4096", 4096), (64, 64), (None, None)])
 def test_parse_chunk(text, value):
     assert settings.parse_chunk(text) == value
 
 
-@pytest.mark.parametrize("text,needle", [("0", "out of range"), ("513", "out of range"), (-1, "out of range"),
+@pytest.mark.parametrize("text,needle", [("0", "out of range"), ("4097", "out of range"), (-1, "out of range"),
                                          ("x", "malformed"), ("4.5", "malformed"), ("", "malformed")])
 def test_parse_chunk_rejects(text, needle):
     with pytest.raises(UsageError, match=needle):
@@ -234,7 +234,7 @@ def test_corrupt_record_is_no_record(tiny_models, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--chunk", "513"], "--chunk 513 is out of range"),
+    (["--chunk", "4097"], "--chunk 4097 is out of range"),
     (["--chunk", "wide"], "--chunk 'wide' is malformed"),
     (["--chunk", "0"], "out of range"),
     (["--chunk", "auto"], "needs --model"),
@@ -285,3 +285,35 @@ def test_qualify_then_wide_prefill(tiny_models, tmp_path, cache_with_library):
     r = run_dflash("prefill", "--model", m, "--chunk", 64, "--threads", 1, env=env)
     assert r.returncode == 2 and "dflash qualify" in r.stderr and "--widths 64" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_widths_to_4096_are_exact_on_the_tiny_model_and_auto_runs_them(tmp_path, cache_with_library):
+    """Widths past 512 (what DeepSeek-V4 runs in the field: 2,048-4,096 tokens per step): qualify
+    1,024, 2,048 and 4,096 on the built-in model over a prompt of more than 8,200 tokens, each
+    really decoding a band of its width (the fixed-width run) and bit-identical to q1; --chunk auto
+    then runs 4,096 from that record and equals q1. The stock library at 1,024 is the twin that
+    must differ."""
+    env = cache_with_library
+    q = run_json("qualify", "--widths", "1024,2048,4096", "--threads", 2, "--n-predict", 2,
+                 "--evidence", tmp_path / "ev", env=env)
+    assert q["all_exact"] and q["recommended_chunk"] == 4096 and q["n_tokens"] > 2 * 4096 + 8
+    for r in q["results"][1:]:
+        assert r["fixed_width"]["exact"] and r["fixed_width"]["widest_band"] == r["width"]
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(engine.DEFAULT_PROMPT * 12)  # ~4,500 tokens: one band of 4,096 and a tail
+    a = run_json("prefill", "--prompt-file", prompt, "--chunk", "auto", "--threads", 2, "--n-predict", 2,
+                 "--compare-q1", env=env)
+    assert a["chunk"] == 4096 and max(a["widths"]) == 4096 and a["identical_to_q1"]
+    stock = run_json("qualify", "--lib", "stock", "--widths", "1024", "--threads", 2, "--n-predict", 2,
+                     "--evidence", tmp_path / "stock", env=env)
+    assert not stock["all_exact"] and stock["results"][0]["exact"]  # its q1 repeats; width 1,024 differs
+
+
+def test_gemma_is_exact_at_1024(gemma, tmp_path, cache_with_library):
+    """A real model past 512: Gemma 3 270M (262,144-token vocabulary, sliding-window layers) at
+    width 1,024 over a 2,056-token prompt, bit-identical to q1 (widths 2,048 and 4,096 on Gemma:
+    README, measured runs)."""
+    q = run_json("qualify", "--model", gemma, "--widths", "1024", "--threads", 2, "--n-predict", 2,
+                 "--evidence", tmp_path / "ev", env=cache_with_library)
+    assert q["all_exact"] and q["recommended_chunk"] == 1024
+    assert q["results"][1]["fixed_width"]["widest_band"] == 1024

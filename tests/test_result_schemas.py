@@ -136,7 +136,7 @@ PREFILL = {
     "q1": ({"logits_sha256": SHA, "response_sha256": SHA, "prefill_seconds": NUM,
             "prefill_tokens_per_second": NUM}, NULL),
     "identical_to_q1": (BOOL, NULL), "speedup_vs_q1": (NUM, NULL), "devices": [DEVICE], "repack": BOOL,
-    "indexer_shortcut": BOOL, "memory_budget": (BUDGET, NULL),
+    "indexer_shortcut": BOOL, "indexer_tile": INT, "memory_budget": (BUDGET, NULL),
 }
 
 BENCH_SUMMARY = {  # the evidence's summary.json
@@ -206,7 +206,7 @@ MATRIX_ROW = {
 MATRIX = {"reference": STR, "rows": [MATRIX_ROW], "exact_all_equal": BOOL,
           "skipped": [{"config": STR, "reason": STR}]}
 MEMORY = {"model": STR, "architecture": STR, "n_ctx": INT, "measured": BOOL, "library": LIBRARY, "device": STR,
-          "indexer_rows": (INT, NULL), "rows": [MEMORY_ROW]}
+          "indexer_rows": (INT, NULL), "indexer_tile": INT, "rows": [MEMORY_ROW]}
 RPC_SERVER = {"endpoint": STR, "build": STR, "device": STR, "protocol": STR, "threads": INT, "library": LIBRARY,
               "remote_allowed": BOOL, "pid": INT}
 

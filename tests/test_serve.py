@@ -178,7 +178,7 @@ def _tokens(serving, text):
 def _prefix_hits(srv, every=128):
     """A ~1,000-token prompt evaluated cold, then again (a repeat) and with a new suffix (a sibling)
     on the same server; returns (tokens of the first, shared tokens, repeat, sibling, their cold
-    runs with the cache off)."""
+    runs with the cache off, the two prompts)."""
     prefix = wl.words(800, 4242)
     first, second = f"{prefix} {wl.words(10, 1)}", f"{prefix} {wl.words(10, 2)}"
     a, b = _tokens(srv, first), _tokens(srv, second)
@@ -190,7 +190,7 @@ def _prefix_hits(srv, every=128):
     sibling = wl.send(srv.url, calls["second"])
     assert (repeat.status, sibling.status) == (200, 200)
     colds = [wl.send(srv.url, calls[k], extra={"cache_prompt": False}) for k in ("first", "second")]
-    return a, common, repeat, sibling, colds
+    return a, common, repeat, sibling, colds, (first, second)
 
 
 def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact(serving):
@@ -200,7 +200,7 @@ def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact
     (stock llama-server: from 4 + n_ubatch tokens before the old prompt's end), the repeat from 4
     tokens before the end; each identical to the same request alone and cold."""
     every = 128
-    a, common, repeat, sibling, colds = _prefix_hits(serving, every)
+    a, common, repeat, sibling, colds, prompts = _prefix_hits(serving, every)
     # the old prompt's own checkpoints sit 4 and 4 + n_ubatch tokens before its end
     ub = serving.info["config"]["ubatch"]
     old_end = [len(a) - 4, len(a) - 4 - ub]
@@ -210,6 +210,10 @@ def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact
     assert sibling.cached_tokens == want, (sibling.cached_tokens, want, common, len(a))
     for name, got, cold in (("first", repeat, colds[0]), ("second", sibling, colds[1])):
         assert cold.cached_tokens == 0 and got.same_as(cold), name
+    for prompt, got in zip(prompts, (repeat, sibling), strict=True):  # and what dflash prefill's q1 computes
+        p = json.loads(run_dflash("prefill", "--prompt", prompt, "--logits", "last", "--n-predict", "6",
+                                  "--no-bands", *THREADS, "--json", check=True).stdout)
+        assert list(got.tokens) == p["response_tokens"]
 
 
 def test_the_stock_twin_of_the_prefix_hits_differs_from_its_cold_runs():
@@ -217,7 +221,7 @@ def test_the_stock_twin_of_the_prefix_hits_differs_from_its_cold_runs():
     that no record vouches for): the comparison with the cold runs must catch them differing."""
     s = Serve("--lib", "stock", "--parallel", "1", "--ubatch", "64", "--allow-inexact")
     try:
-        _, _, repeat, sibling, colds = _prefix_hits(s)
+        _, _, repeat, sibling, colds, _ = _prefix_hits(s)
         assert sibling.cached_tokens > 0, "no shared-prefix hit: nothing was compared"
         assert not (repeat.same_as(colds[0]) and sibling.same_as(colds[1]))
     finally:

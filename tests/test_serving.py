@@ -31,7 +31,7 @@ def test_one_token_ubatches_keep_a_logical_batch_llama_server_starts_with():
     assert a[a.index("-ub") + 1] == a[a.index("-b") + 1] == "2"
 
 
-@pytest.mark.parametrize("kw, word", [({"parallel": 0}, "parallel"), ({"ubatch": 513}, "ubatch"),
+@pytest.mark.parametrize("kw, word", [({"parallel": 0}, "parallel"), ({"ubatch": 4097}, "ubatch"),
                                       ({"ctx": 8}, "ctx"), ({"threads": 0}, "threads"),
                                       ({"flash_attn": "maybe"}, "flash")])
 def test_config_refuses_bad_values(kw, word):

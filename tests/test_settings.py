@@ -63,7 +63,8 @@ def test_ceiling_above_eight_is_eight_like_the_hip_library():
 def test_raw_flags_are_kept_and_effective_ones_exported():
     s = settings.resolve({settings.ENV_BANDS: "yes", settings.ENV_MMVQ: "0", "UNRELATED": "x"})
     assert dict(s.env_raw) == {settings.ENV_BANDS: "yes", settings.ENV_MMVQ: "0"}
-    assert s.library_env() == {settings.ENV_MMVQ: "8", settings.ENV_NARROW: "1", settings.ENV_SHORTCUT: "1"}
+    assert s.library_env() == {settings.ENV_MMVQ: "8", settings.ENV_NARROW: "1", settings.ENV_SHORTCUT: "1",
+                                settings.ENV_TILE: "0"}
 
 
 def test_verbose_and_debug_flags():

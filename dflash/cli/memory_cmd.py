@@ -22,7 +22,7 @@ from .options import (
 @click.command("memory", cls=Command)
 @model_option
 @ctx_option
-@click.option("--widths", default="1,4,64,512", show_default=True, help="Band widths, comma-separated (1..512).")
+@click.option("--widths", default="1,4,64,512", show_default=True, help="Band widths, comma-separated (1..4096).")
 @threads_option
 @lib_option
 @device_option
@@ -38,7 +38,8 @@ def command(model: str | None, weights: str, ctx: int | None, widths: str, threa
     even for a model larger than this machine's memory) and one context is created per width.
     Weights are counted as llama.cpp reads them into buffers; a run that maps the model file (the
     default on a CPU) also keeps the file's pages of weights it copied into AMX or repacked buffers.
-    indexer_scores_bytes is analytic (rows x width x 4 bytes), shown beside llama.cpp's figures."""
+    indexer_scores_bytes is analytic (rows x width x 4 bytes; with --indexer-tile N, rows x
+    min(width, N) x 4), shown beside llama.cpp's figures."""
     if ctx is None:
         raise click.UsageError("--ctx is required (the context size to size)")
     ws = parse_widths(widths)
@@ -62,7 +63,8 @@ def show(r: MemoryResult) -> None:
                   h(x.indexer_scores_bytes) if x.indexer_scores_bytes is not None else "-")
     output.out.print(t)
     if r.indexer_rows is not None:
-        output.out.print(f"* analytic, not llama.cpp's figure: {r.indexer_rows} pooled rows x width x 4 bytes "
+        per = f"min(width, tile {r.indexer_tile})" if r.indexer_tile else "width"
+        output.out.print(f"* analytic, not llama.cpp's figure: {r.indexer_rows} pooled rows x {per} x 4 bytes "
                          f"(one layer's indexer scores; part of the compute buffer)", highlight=False, markup=False)
 
 

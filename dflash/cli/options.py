@@ -83,8 +83,31 @@ def cpu_option(f: F) -> F:
                              f"avx512, avx512-noamx or avx2 [default: {settings.ENV_CPU}, else native].")(f)
 
 
+def _set_tile(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    """--indexer-tile N is DFLASH_DS4_INDEXER_TILE=N for this command, as --cpu is for its flag."""
+    if value is None:
+        return
+    before = os.environ.get(settings.ENV_TILE)
+    os.environ[settings.ENV_TILE] = str(value)
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(settings.ENV_TILE, None)
+        else:
+            os.environ[settings.ENV_TILE] = before
+    ctx.call_on_close(restore)
+
+
+def indexer_tile_option(f: F) -> F:
+    return click.option("--indexer-tile", type=click.IntRange(0, settings.MAX_TILE), default=None,
+                        expose_value=False, callback=_set_tile, is_eager=True, metavar="N",
+                        help="DeepSeek-V4 (exact library): score and take the indexer's top-k over a ubatch's "
+                             "query rows N at a time, bit-identical, so the score scratch follows N instead of "
+                             f"the width; 0: the whole ubatch [default: {settings.ENV_TILE}, else 0].")(f)
+
+
 def lib_option(f: F) -> F:
-    f = cpu_option(f)
+    f = indexer_tile_option(cpu_option(f))
     return click.option("--lib", type=click.Choice(settings.LIBS), default="exact", show_default=True,
                         help="llama.cpp build: exact (batch-invariant) or stock (llama.cpp defaults).")(f)
 
@@ -158,7 +181,7 @@ def open_session(*, model: str | None, weights: str = tiny_model.DEFAULT_WEIGHTS
 
 
 def parse_widths(text: str) -> list[int]:
-    """--widths: distinct band widths in 1..512, sorted."""
+    """--widths: distinct band widths in 1..4096, sorted."""
     try:
         ws = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:

@@ -11,11 +11,12 @@ from .. import evidence, provenance, settings, sweep
 from ..errors import DflashError, NotExactError, UsageError
 from ..fileio import write_atomic
 from . import output
-from .options import Command, cpu_option, model_option, prompt_options, read_prompt, threads_option
+from .options import Command, cpu_option, indexer_tile_option, model_option, prompt_options, read_prompt, threads_option
 
 
 @click.command("sweep", cls=Command)
 @cpu_option
+@indexer_tile_option
 @model_option
 @prompt_options
 @click.option("--widths", default=sweep.DEFAULT_WIDTHS, show_default=True,

@@ -14,6 +14,8 @@ installed ggml; only the server's own code is compiled. It is cached under
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from . import cuda_libs
@@ -244,8 +246,14 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
     from .stage import stage
     stage(f"build of the {flavor} llama.cpp library")
     src = source_dir(log)
+    with _work_tree(log) as work:
+        if is_built(flavor, gpu):  # another process built it while this one waited
+            return library_dir(flavor, gpu)
+        return _build_native(flavor, gpu, src, work, jobs, log)
+
+
+def _build_native(flavor: str, gpu: str, src: Path, work: Path, jobs: int | None, log: Log) -> Path:
     dest = install_dir(flavor, gpu)
-    work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-", dir=cache_root()))
     staging = work / "install"
     # every build patches its source (cpu_kernels/patches, and hip_kernels for HIP): give it a
     # private copy, never the shared tree
@@ -267,8 +275,10 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
             return (f"; CMake did not take cuBLAS from the wheel folder {cuda_libs.cache_folder()} "
                     f"(see dflash/cuda_libs.py)")
         return hint
-    log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
-    _cmake_install(work, configure, "lib/libllama.so", dest, f"llama.cpp {flavor}", jobs, log, env, cuda_hint)
+    log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} "
+        f"({'about 2 minutes on 2 cores' if gpu == 'none' else 'long'}, once)")
+    _cmake_install(work, configure, "lib/libllama.so", dest, f"llama.cpp {flavor}", jobs, log, env, cuda_hint,
+                   cache=gpu == "none")
     return library_dir(flavor, gpu)
 
 
@@ -278,8 +288,14 @@ def _build_variant(flavor: str, cpu: str, jobs: int | None, log: Log) -> Path:
         raise DflashError("cmake is not installed (apt-get install cmake)")
     from .stage import stage
     stage(f"build of the {flavor} llama.cpp library's {cpu} CPU backend")
+    with _work_tree(log) as work:
+        if is_built(flavor, cpu=cpu):
+            return library_dir(flavor, cpu=cpu)
+        return _build_variant_in(flavor, cpu, base, work, jobs, log)
+
+
+def _build_variant_in(flavor: str, cpu: str, base: Path, work: Path, jobs: int | None, log: Log) -> Path:
     dest = install_dir(flavor, cpu=cpu)
-    work = Path(tempfile.mkdtemp(prefix=f"build-{flavor}-{cpu}-", dir=cache_root()))
     src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
                                ignore=shutil.ignore_patterns(".git")))
     configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
@@ -299,7 +315,8 @@ def _build_variant(flavor: str, cpu: str, jobs: int | None, log: Log) -> Path:
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, staging / rel, follow_symlinks=False)
         (staging / "dflash-variant.txt").write_text(f"cpu={cpu}\nflavor={flavor}\nbase={base.name}\n")
-    log(f"building llama.cpp's CPU backend ({flavor}, {cpu}, {LLAMA_CPP_COMMIT}) -> {dest} (a few minutes, once)")
+    log(f"building llama.cpp's CPU backend ({flavor}, {cpu}, {LLAMA_CPP_COMMIT}) -> {dest} "
+        f"(about 1 minute on 2 cores, once)")
     _cmake_install(work, configure, "lib/libggml-cpu.so", dest, f"llama.cpp {flavor} {cpu}", jobs, log,
                    dict(os.environ), lambda text: "", complete=beside_native)
     return library_dir(flavor, cpu=cpu)
@@ -316,24 +333,95 @@ def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
     from .stage import stage
     stage("build of llama-server")
     dest = server_dir()
-    work = Path(tempfile.mkdtemp(prefix="build-server-", dir=cache_root()))
-    src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
-                               ignore=shutil.ignore_patterns(".git")))
-    configure = ["cmake", "-S", str(REPO_ROOT / "server"), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
-                 f"-DDFLASH_LLAMA_LIB={lib.parent}", f"-DDFLASH_SERVER_PREFIX={work / 'install'}"]
-    log(f"building llama-server ({LLAMA_CPP_COMMIT}, against {lib.parent.name}) -> {dest} (several minutes, once)")
-    _cmake_install(work, configure, "bin/llama-server", dest, "llama-server", jobs, log, dict(os.environ),
-                   lambda text: "")
+    with _work_tree(log) as work:
+        if server_built():
+            return server_binary()
+        src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
+                                   ignore=shutil.ignore_patterns(".git")))
+        configure = ["cmake", "-S", str(REPO_ROOT / "server"), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
+                     f"-DDFLASH_LLAMA_LIB={lib.parent}", f"-DDFLASH_SERVER_PREFIX={work / 'install'}"]
+        log(f"building llama-server ({LLAMA_CPP_COMMIT}, against {lib.parent.name}) -> {dest} "
+            f"(about 5 minutes on 2 cores, once)")
+        _cmake_install(work, configure, "bin/llama-server", dest, "llama-server", jobs, log, dict(os.environ),
+                       lambda text: "")
     return server_binary()
+
+
+BUILD_TREE = "build-tree"  # under cache_root(): the one folder CPU builds and llama-server compile in
+CCACHE_ENV = "DFLASH_CCACHE"  # 0: compile without ccache even where it is installed
+
+
+@contextlib.contextmanager
+def _work_tree(log: Log) -> Iterator[Path]:
+    """The build folder, emptied, held under an exclusive lock for the whole build. Every flavor,
+    CPU variant and the server compile at the same absolute paths, so ccache can hand one build an
+    object another compiled from the same bytes with the same flags (it hashes each source's and
+    header's content, so a patched file is never served from an unpatched one). A second dflash
+    build waits for the first."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another dflash build is running: waiting for it to finish")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        work = root / BUILD_TREE
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        try:
+            yield work
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def compiler_cache() -> str | None:
+    """ccache's path when library builds use it: installed, and DFLASH_CCACHE is not 0."""
+    if os.environ.get(CCACHE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return shutil.which("ccache")
+
+
+def ccache_dir() -> Path:
+    """One ccache folder per host CPU and compiler (the native builds compile with -march=native,
+    whose meaning ccache's key does not see): a cache carried to another machine never hands it
+    objects built for other instructions."""
+    host = hashlib.sha256(_host_fingerprint().encode()).hexdigest()[:16]
+    return cache_root() / "ccache" / host
+
+
+def _with_ccache(env: Mapping[str, str], stats: Path) -> dict[str, str]:
+    """The build's environment for ccache. llama.cpp's ggml CMake (GGML_CCACHE, on by default)
+    launches every compile of the library builds, ggml and llama alike, through a ccache it finds on
+    PATH; dflash points it at ccache_dir() and a per-build stats log, or disables it
+    (DFLASH_CCACHE=0). llama-server's build uses the installed ggml and compiles without it."""
+    if compiler_cache() is None:
+        return {**env, "CCACHE_DISABLE": "1"}
+    return {**env, "CCACHE_DIR": str(ccache_dir()), "CCACHE_STATSLOG": str(stats)}
+
+
+def _ccache_summary(stats: Path) -> str:
+    """'ccache: H of N objects reused' from the build's stats log (ccache appends each compile's
+    counters: a hit is counted once as direct_ or preprocessed_cache_hit, a miss as cache_miss)."""
+    try:
+        results = [ln.strip() for ln in stats.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    except OSError:
+        return ""
+    hits = sum(1 for r in results if r in ("direct_cache_hit", "preprocessed_cache_hit"))
+    misses = sum(1 for r in results if r == "cache_miss")
+    return f"ccache: {hits} of {hits + misses} objects reused from earlier builds" if hits + misses else ""
 
 
 def _cmake_install(work: Path, configure: list[str], product: str, dest: Path, what: str, jobs: int | None,
                    log: Log, env: Mapping[str, str], hint: Callable[[str], str],
-                   complete: Callable[[Path], None] | None = None) -> None:
-    """Configure and build in `work` (its install folder: work/install; `complete` adds to it),
-    then move the install to `dest` in one rename; a failed build keeps its log at
-    <cache>/build-<what>-failed.log."""
+                   complete: Callable[[Path], None] | None = None, cache: bool = True) -> None:
+    """Configure and build in `work` (its install folder: work/install; `complete` adds to it;
+    through ccache when `cache` and compiler_cache()), then move the install to `dest` in one rename;
+    a failed build keeps its log at <cache>/build-<what>-failed.log."""
     staging = work / "install"
+    stats = work / "ccache-stats.log"
+    if cache:
+        env = _with_ccache(env, stats)
     build = ["cmake", "--build", str(work / "b"), "-j", str(jobs or os.cpu_count() or 2)]
     try:
         for cmd in (configure, build):
@@ -351,6 +439,9 @@ def _cmake_install(work: Path, configure: list[str], product: str, dest: Path, w
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(staging, dest)  # atomic: a half-built tree never sits at the keyed path
+        summary = _ccache_summary(stats)
+        if summary:
+            log(f"{what}: {summary}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

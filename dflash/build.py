@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from . import cuda_libs
+from . import cuda_libs, settings
 from .cpu_isa import CPU_VARIANTS, NATIVE
 from .errors import DflashError
 from .fileio import fsync_dir, fsync_file
@@ -348,7 +348,7 @@ def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
 
 
 BUILD_TREE = "build-tree"  # under cache_root(): the one folder CPU builds and llama-server compile in
-CCACHE_ENV = "DFLASH_CCACHE"  # 0: compile without ccache even where it is installed
+CCACHE_ENV = settings.ENV_CCACHE  # 0: compile without ccache even where it is installed
 
 
 @contextlib.contextmanager
@@ -377,9 +377,7 @@ def _work_tree(log: Log) -> Iterator[Path]:
 
 def compiler_cache() -> str | None:
     """ccache's path when library builds use it: installed, and DFLASH_CCACHE is not 0."""
-    if os.environ.get(CCACHE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    return shutil.which("ccache")
+    return shutil.which("ccache") if settings.ccache_flag() else None
 
 
 def ccache_dir() -> Path:

@@ -45,6 +45,7 @@ ENV_TILE = "DFLASH_DS4_INDEXER_TILE"
 ENV_LIB_DIR = "DFLASH_LLAMA_LIB_DIR"
 ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
+ENV_CCACHE = "DFLASH_CCACHE"  # read by dflash.build: 0 compiles llama.cpp without ccache
 ENV_CPU = "DFLASH_CPU_VARIANT"
 ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_TILE, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
 SHORTCUT_MODES = ("on", "off", "force")  # DFLASH_DS4_INDEXER_SHORTCUT: a boolean, or force
@@ -280,3 +281,9 @@ def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk |
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
                     chunk_requested=requested, qualified=qualified, narrow=narrow, indexer_shortcut=shortcut,
                     cpu=cpu, indexer_tile=tile, indexer_tile_plant=plant)
+
+
+def ccache_flag(env: Mapping[str, str] | None = None) -> bool:
+    """DFLASH_CCACHE (read by the build, default on)."""
+    value = env_bool(ENV_CCACHE, env)
+    return True if value is None else value

@@ -5,7 +5,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dflash import build
+from dflash.errors import UsageError
 
 
 def test_ccache_is_pointed_at_a_folder_per_host_or_disabled(monkeypatch, tmp_path):
@@ -28,6 +31,9 @@ def test_dflash_ccache_0_turns_it_off(monkeypatch):
     for value in ("0", "off", "false", "no"):
         monkeypatch.setenv(build.CCACHE_ENV, value)
         assert build.compiler_cache() is None
+    monkeypatch.setenv(build.CCACHE_ENV, "maybe")
+    with pytest.raises(UsageError, match=build.CCACHE_ENV):  # a malformed boolean, as for every flag
+        build.compiler_cache()
 
 
 def test_the_summary_counts_hits_and_misses_per_compile(tmp_path):

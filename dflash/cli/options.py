@@ -60,47 +60,35 @@ def ctx_option(f: F) -> F:
                              "[default: prompt + n-predict].")(f)
 
 
-def _set_cpu(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """--cpu V is DFLASH_CPU_VARIANT=V for this command: every Settings.from_env of the command, and
-    the workers it starts, see it; the previous value comes back when the command ends."""
-    if value is None:
-        return
-    before = os.environ.get(settings.ENV_CPU)
-    os.environ[settings.ENV_CPU] = value
+def _env_for_command(name: str) -> Callable[[click.Context, click.Parameter, object], None]:
+    """A click callback making option value V the environment flag `name`=V for this command: every
+    Settings.from_env of the command, and the workers it starts, see it; the previous value comes
+    back when the command ends (--cpu, --indexer-tile)."""
+    def callback(ctx: click.Context, param: click.Parameter, value: object) -> None:
+        if value is None:
+            return
+        before = os.environ.get(name)
+        os.environ[name] = str(value)
 
-    def restore() -> None:
-        if before is None:
-            os.environ.pop(settings.ENV_CPU, None)
-        else:
-            os.environ[settings.ENV_CPU] = before
-    ctx.call_on_close(restore)
+        def restore() -> None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+        ctx.call_on_close(restore)
+    return callback
 
 
 def cpu_option(f: F) -> F:
     return click.option("--cpu", type=click.Choice(cpu_isa.CPU_VARIANTS), default=None, expose_value=False,
-                        callback=_set_cpu, is_eager=True,
+                        callback=_env_for_command(settings.ENV_CPU), is_eager=True,
                         help=f"CPU build variant of the library (`dflash build --cpu`): native (-march=native), "
                              f"avx512, avx512-noamx or avx2 [default: {settings.ENV_CPU}, else native].")(f)
 
 
-def _set_tile(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
-    """--indexer-tile N is DFLASH_DS4_INDEXER_TILE=N for this command, as --cpu is for its flag."""
-    if value is None:
-        return
-    before = os.environ.get(settings.ENV_TILE)
-    os.environ[settings.ENV_TILE] = str(value)
-
-    def restore() -> None:
-        if before is None:
-            os.environ.pop(settings.ENV_TILE, None)
-        else:
-            os.environ[settings.ENV_TILE] = before
-    ctx.call_on_close(restore)
-
-
 def indexer_tile_option(f: F) -> F:
     return click.option("--indexer-tile", type=click.IntRange(0, settings.MAX_TILE), default=None,
-                        expose_value=False, callback=_set_tile, is_eager=True, metavar="N",
+                        expose_value=False, callback=_env_for_command(settings.ENV_TILE), is_eager=True, metavar="N",
                         help="DeepSeek-V4 (exact library): score and take the indexer's top-k over a ubatch's "
                              "query rows N at a time, bit-identical, so the score scratch follows N instead of "
                              f"the width; 0: the whole ubatch [default: {settings.ENV_TILE}, else 0].")(f)

@@ -7,7 +7,10 @@ One place decides it for the Session, the CLI and `dflash plan`:
   * chunk auto: the widest width the record proves (4 without a record, with a note);
   * a memory budget: auto takes the widest proven width whose no_alloc estimate fits (without a
     record: 4, or the widest narrower one that fits), and a width that does not fit is a
-    UsageError naming the bytes.
+    UsageError naming the bytes. On DeepSeek-V4, when no indexer tile is set, it chooses the
+    width and the tile together: among the tiles of TILES with a record, the widest proven width
+    that fits at that tile (a tile bounds the indexer's scratch, so a wider width may fit); on a
+    tie no tile, then the widest tile.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from .tiny_model import DEFAULT_WEIGHTS
 
 Say = Callable[[str], None]
 
+TILES = (0, 512, 256, 128, 64)  # the indexer tiles --memory-budget weighs for --chunk auto (0: none)
+
 
 def _quiet(msg: str) -> None:
     pass
@@ -33,6 +38,13 @@ def choose(env: Mapping[str, str], *, bands: bool | None, chunk: Chunk | None, l
            note: Say = _quiet) -> Settings:
     """The settings a run takes (see the module doc). `budget`, when given, is the no_alloc
     estimate of the run's context (open_budget)."""
+    if budget is not None and budget.has_indexer and bands is not False \
+            and settings.parse_chunk(chunk) == settings.AUTO and not env.get(settings.ENV_TILE, "").strip():
+        tiled = _with_tile(env, bands, chunk, lib, model=model, weights=weights, device=device, remote=remote,
+                           repack=repack, budget=budget, warn=warn, note=note)
+        if tiled is not None:
+            return tiled
+        budget.tile = 0
     s = _proven(env, bands, chunk, lib, model=model, weights=weights, device=device, remote=remote, repack=repack,
                 budget=budget, warn=warn, note=note)
     if budget is None:
@@ -43,6 +55,31 @@ def choose(env: Mapping[str, str], *, bands: bool | None, chunk: Chunk | None, l
             note(f"{arg('chunk')} auto: width {s.chunk} does not fit {arg('memory_budget')}, running {fitting[0]}")
             s = settings.resolve(env, bands=True, chunk=fitting[0], lib=lib)
     budget.require(s.cap)
+    return s
+
+
+def _with_tile(env: Mapping[str, str], bands: bool | None, chunk: Chunk | None, lib: str, *, model: str | None,
+               weights: str, device: str, remote: Remote | None, repack: bool, budget: memory.Budget, warn: Say,
+               note: Say) -> Settings | None:
+    """--chunk auto within a budget on DeepSeek-V4 with no tile set: the width and tile (module
+    doc), or None when no tile of TILES has a record."""
+    best: tuple[tuple[int, bool, int], Settings] | None = None
+    for tile in TILES:
+        budget.tile = tile
+        s = _proven({**env, settings.ENV_TILE: str(tile)}, bands, chunk, lib, model=model, weights=weights,
+                    device=device, remote=remote, repack=repack, budget=budget, warn=warn, note=_quiet)
+        if s.qualified is None or not budget.fits(s.cap):
+            continue
+        rank = (s.cap, tile == 0, tile)
+        if best is None or rank > best[0]:
+            best = rank, s
+    if best is None:
+        return None
+    s = best[1]
+    budget.tile = s.indexer_tile
+    tile_text = f"indexer tile {s.indexer_tile}" if s.indexer_tile else "no indexer tile"
+    note(f"{arg('chunk')} auto within {arg('memory_budget')}: width {s.chunk} with {tile_text} "
+         f"(record {s.qualified.path if s.qualified else '-'})")
     return s
 
 

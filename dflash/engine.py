@@ -13,7 +13,7 @@ from pathlib import Path
 from . import bands, build, cpu_isa, devices, gguf_meta, llama, narrow, proofs, tiny_model
 from .errors import DflashError, LibraryNotBuilt, UsageError, arg
 from .rpc import Remote, check_builds
-from .settings import Settings
+from .settings import ENV_TILE, Settings
 from .settings import resolve as resolve_settings
 
 Log = Callable[[str], None]
@@ -78,21 +78,27 @@ def library_dir(settings: Settings, log: Log = _quiet, gpu: str = "none", build_
     return build.build_library(settings.lib, gpu, log=log, cpu=cpu)
 
 
+_SET_AT_RUN_TIME = (ENV_TILE,)  # library flags open_engine sets per engine, not at load
+
+
 def load_library(settings: Settings, log: Log = _quiet, gpu: str = "none", build_missing: bool = False) -> Path:
     """Load the settings' llama.cpp library into this process; `gpu` is the backend of a hip:N /
     cuda:N run (DFLASH_LLAMA_LIB_DIR, when set, names it instead). The flags the library reads
     once (settings.library_env) are exported before it loads; a process that already loaded it
-    with other values is refused (they cannot change any more)."""
+    with other values is refused (they cannot change any more), except the indexer tile, which
+    open_engine sets in the loaded library for each engine."""
     lib_dir = library_dir(settings, log, gpu, build_missing)
     want = settings.library_env()
     if llama.library_dir() is None:
         os.environ.update(want)  # before the load: the library's narrow path sees dflash's ceiling
     else:
-        changed = [f"{k}={os.environ.get(k)!r}" for k, v in want.items() if os.environ.get(k) != v]
+        changed = [f"{k}={os.environ.get(k)!r}" for k, v in want.items()
+                   if k not in _SET_AT_RUN_TIME and os.environ.get(k) != v]
         if changed:
             raise DflashError(f"this process loaded llama.cpp with {', '.join(changed)}; settings that need "
                               f"{', '.join(f'{k}={v!r}' for k, v in want.items())} need a process of their own "
                               f"(dflash.worker)")
+        os.environ.update({k: want[k] for k in _SET_AT_RUN_TIME if k in want})
     llama.load_library(lib_dir, verbose=settings.verbose)
     return lib_dir
 
@@ -308,6 +314,9 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
         placement = gpu_placement(spec.gpu_ids)
     extra = repack_for(spec, repack)
     model = llama.Model(path, **placement, extra_bufts=extra, no_alloc=no_alloc, mmap=mmap)
+    # the library read DFLASH_DS4_INDEXER_TILE when this process first loaded it; a later run (a
+    # Session after a --memory-budget estimate that chose a tile) sets its own
+    llama.set_indexer_tile(settings.indexer_tile, settings.indexer_tile_plant)
     return Engine(settings, info, model, lib_dir, threads or min(os.cpu_count() or 1, 8), str(spec), archs,
                   remote, devices_json(spec, remote, gpus), tuple(rpc_warnings), extra, llama.indexer_shortcut(),
                   llama.indexer_tile())

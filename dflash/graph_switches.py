@@ -85,6 +85,7 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
 ENV_BY_SETTINGS = {
     "DFLASH_DS4_INDEXER_SHORTCUT": "cpu_kernels/patches/exact/0006-llama-ds4-indexer-all-pooled-shortcut.patch",
     "DFLASH_DS4_INDEXER_TILE": "cpu_kernels/patches/exact/0007-llama-ds4-indexer-tiles.patch",
+    "DFLASH_DS4_RAW_WINDOW": "cpu_kernels/patches/exact/0008-llama-ds4-raw-window.patch",
     "LUCE_MMVQ_MAX_NCOLS": "hip_kernels/ggml/dflash-mmvq.cu:36",
     "DFLASH_NARROW_MMVQ": "hip_kernels/ggml/dflash-mmvq.cu:56",
 }

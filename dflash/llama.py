@@ -105,6 +105,11 @@ def indexer_tile() -> int:
     return int(fn())
 
 
+def indexer_tile_supported() -> bool:
+    """Whether the loaded library has DeepSeek-V4 indexer tiles (the exact library)."""
+    return _dflash_fn("llama_dflash_set_indexer_tile") is not None
+
+
 def set_indexer_tile(tile: int, plant: bool = False) -> bool:
     """Set the indexer tile for graphs built from now on (contexts created afterwards); False when
     the loaded library has no tiles."""
@@ -507,7 +512,7 @@ class Context:
 # Graph tap: observe node outputs through llama.cpp's cb_eval (ggml_backend_sched_eval_callback)
 
 _GGML_MAX_DIMS, _GGML_MAX_SRC, _GGML_MAX_NAME, _GGML_MAX_OP_PARAMS = 4, 10, 64, 64
-_NP_TYPES = {0: np.float32, 26: np.int32}  # GGML_TYPE_F32, GGML_TYPE_I32
+_NP_TYPES = {0: np.float32, 1: np.float16, 26: np.int32}  # GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32
 
 
 class _GgmlTensor(ctypes.Structure):
@@ -541,7 +546,7 @@ def _ggml_base() -> ctypes.CDLL:
 
 
 class GraphTap:
-    """Copies the outputs of graph nodes whose name passes `want(name)` (F32 and I32 only).
+    """Copies the outputs of graph nodes whose name passes `want(name)` (F32, F16 and I32 only).
 
     Pass `tap.callback` as a Context's eval_callback; after each decode, `take()` returns the
     list of (name, op, ne, array) in graph order, arrays shaped like numpy views of the tensor

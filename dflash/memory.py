@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import llama
 from .engine import Engine
 from .errors import UsageError, arg
 
@@ -100,16 +101,23 @@ def row(width: int, sizes: dict[str, int], rows: int | None, tile: int = 0) -> M
 
 
 def estimate(eng: Engine, n_ctx: int, widths: list[int],
-             progress: Callable[[int, int], None] = lambda done, total: None) -> list[MemoryRow]:
+             progress: Callable[[int, int], None] = lambda done, total: None,
+             tile: int | None = None) -> list[MemoryRow]:
     """One row per width for a context of n_ctx tokens on the engine's model (loaded with no_alloc
     for an estimate, or for real for a measurement): a context is created and freed per width, with
-    the indexer tile the engine's library applies (DFLASH_DS4_INDEXER_TILE)."""
+    the indexer tile the engine's library applies (DFLASH_DS4_INDEXER_TILE), or `tile` (the library
+    takes it for these contexts only)."""
     rows = indexer_rows(eng.info.compress_ratios, n_ctx)
+    applied = eng.indexer_tile if tile is None or not llama.set_indexer_tile(tile) else tile
     out = []
-    for i, w in enumerate(widths):
-        with eng.context(n_ctx, w) as ctx:
-            out.append(row(w, ctx.memory(), rows, eng.indexer_tile))
-        progress(i + 1, len(widths))
+    try:
+        for i, w in enumerate(widths):
+            with eng.context(n_ctx, w) as ctx:
+                out.append(row(w, ctx.memory(), rows, applied))
+            progress(i + 1, len(widths))
+    finally:
+        if tile is not None:
+            llama.set_indexer_tile(eng.indexer_tile, eng.settings.indexer_tile_plant)
     return out
 
 
@@ -119,12 +127,19 @@ class Budget:
 
     def __init__(self, eng: Engine, n_ctx: int, limit: int):
         self.eng, self.n_ctx, self.limit = eng, n_ctx, limit
-        self._rows: dict[int, MemoryRow] = {}
+        self.tile = eng.indexer_tile  # the indexer tile the estimates take (choice weighs several)
+        self._rows: dict[tuple[int, int], MemoryRow] = {}
+
+    @property
+    def has_indexer(self) -> bool:
+        """DeepSeek-V4 on a library with indexer tiles: the tile changes what a width needs."""
+        return bool(self.eng.info.compress_ratios) and llama.indexer_tile_supported()
 
     def row(self, width: int) -> MemoryRow:
-        if width not in self._rows:
-            (self._rows[width],) = estimate(self.eng, self.n_ctx, [width])
-        return self._rows[width]
+        key = (width, self.tile)
+        if key not in self._rows:
+            (self._rows[key],) = estimate(self.eng, self.n_ctx, [width], tile=self.tile)
+        return self._rows[key]
 
     def fits(self, width: int) -> bool:
         return self.row(width).total_bytes <= self.limit

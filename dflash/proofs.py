@@ -418,6 +418,9 @@ def library_key(settings: Settings, kind: str = "cpu") -> tuple[str, str]:
     if tile:  # another graph: a record proves the tile it ran (a planted one proves nothing else)
         text = tile_text(tile, getattr(settings, "indexer_tile_plant", False))
         key = hashlib.sha256(f"{key}|indexer_tile={text}".encode()).hexdigest()[:16]
+    window = getattr(settings, "raw_window", "on")
+    if window != "on":  # the whole raw cache (off), or a planted bug: not what the default run does
+        key = hashlib.sha256(f"{key}|raw_window={window}".encode()).hexdigest()[:16]
     return source, key
 
 

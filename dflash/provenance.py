@@ -128,6 +128,7 @@ def provenance(eng: Engine, argv: list[str] | None, prompt: str, tokens: list[in
                           "indexer_shortcut": {"mode": s.indexer_shortcut, "applied": eng.indexer_shortcut},
                           "indexer_tile": {"requested": s.indexer_tile, "planted": s.indexer_tile_plant,
                                            "applied": eng.indexer_tile},
+                          "raw_window": s.raw_window,
                           "mmvq_from": s.mmvq_from, "env_as_given": dict(s.env_raw),
                           "env_exported": s.library_env()},
         "machine.json": machine_facts(),

@@ -42,13 +42,15 @@ ENV_MMVQ = "LUCE_MMVQ_MAX_NCOLS"
 ENV_NARROW = "DFLASH_NARROW_MMVQ"
 ENV_SHORTCUT = "DFLASH_DS4_INDEXER_SHORTCUT"
 ENV_TILE = "DFLASH_DS4_INDEXER_TILE"
+ENV_WINDOW = "DFLASH_DS4_RAW_WINDOW"
 ENV_LIB_DIR = "DFLASH_LLAMA_LIB_DIR"
 ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
 ENV_CCACHE = "DFLASH_CCACHE"  # read by dflash.build: 0 compiles llama.cpp without ccache
 ENV_CPU = "DFLASH_CPU_VARIANT"
-ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_TILE, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
+ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_TILE, ENV_WINDOW, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
 SHORTCUT_MODES = ("on", "off", "force")  # DFLASH_DS4_INDEXER_SHORTCUT: a boolean, or force
+WINDOW_MODES = ("on", "off", "plant")    # DFLASH_DS4_RAW_WINDOW: a boolean, or plant
 
 MAX_BAND = 4               # widest band the narrow kernels serve (--chunk without a record)
 MAX_CHUNK = 4096           # widest --chunk a qualification record can prove
@@ -137,6 +139,7 @@ class Settings:
     cpu: str = NATIVE                 # the CPU build variant (--cpu, DFLASH_CPU_VARIANT)
     indexer_tile: int = 0             # DFLASH_DS4_INDEXER_TILE: query rows per indexer tile (0: none)
     indexer_tile_plant: bool = False  # `N:plant`: the planted tile bug (negative controls only)
+    raw_window: str = "on"            # DFLASH_DS4_RAW_WINDOW: on, off, or plant (a planted bug)
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None, *, bands: bool | None = None, chunk: Chunk | None = None,
@@ -163,11 +166,12 @@ class Settings:
 
     def library_env(self) -> dict[str, str]:
         """What llama.cpp's process must see: the effective narrow ceiling and whether the narrow
-        hooks are on (a HIP build reads both, once), and the indexer shortcut's mode (the exact
-        library reads it once)."""
+        hooks are on (a HIP build reads both, once), and DeepSeek-V4's graph switches (the indexer
+        shortcut, the indexer tile and the raw window; the exact library reads each once)."""
         return {ENV_MMVQ: str(self.mmvq_max_ncols), ENV_NARROW: "1" if self.narrow else "0",
                 ENV_SHORTCUT: {"on": "1", "off": "0", "force": "force"}[self.indexer_shortcut],
-                ENV_TILE: tile_text(self.indexer_tile, self.indexer_tile_plant)}
+                ENV_TILE: tile_text(self.indexer_tile, self.indexer_tile_plant),
+                ENV_WINDOW: {"on": "1", "off": "0", "plant": "plant"}[self.raw_window]}
 
     @property
     def env(self) -> dict[str, str]:
@@ -276,11 +280,13 @@ def resolve(env: Mapping[str, str], *, bands: bool | None = None, chunk: Chunk |
     shortcut = ("force" if raw_shortcut == "force" else
                 "off" if env_bool(ENV_SHORTCUT, env) is False else "on")  # unset or empty: on
     tile, plant = parse_tile(env.get(ENV_TILE, ""), f"{arg('indexer_tile')} / {ENV_TILE}")
+    raw_window = env.get(ENV_WINDOW, "").strip().lower()
+    window = "plant" if raw_window == "plant" else "off" if env_bool(ENV_WINDOW, env) is False else "on"
     return Settings(bands=bands_on, chunk=chunk, mmvq_max_ncols=mmvq, lib=lib, lib_dir=lib_dir,
                     verbose=verbose, bands_from=bands_from, mmvq_from=mmvq_from,
                     env_raw=tuple((k, env[k]) for k in ENV_FLAGS if k in env),
                     chunk_requested=requested, qualified=qualified, narrow=narrow, indexer_shortcut=shortcut,
-                    cpu=cpu, indexer_tile=tile, indexer_tile_plant=plant)
+                    cpu=cpu, indexer_tile=tile, indexer_tile_plant=plant, raw_window=window)
 
 
 def ccache_flag(env: Mapping[str, str] | None = None) -> bool:

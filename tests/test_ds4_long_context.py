@@ -1,6 +1,7 @@
 """DeepSeek-V4 at long context: the all-pooled indexer shortcut (bit-identical to the full path,
-with a planted bug caught), `dflash memory` against llama.cpp's real allocations, and
---memory-budget.
+with a planted bug caught), indexer tiles and the raw window (each bit-identical, each with a
+planted bug caught), `dflash memory` against llama.cpp's real allocations, and --memory-budget
+(which weighs width and tile together).
 
 The shortcut applies while the indexer mask, whose width llama.cpp pads to 256 pooled rows, is no
 wider than indexer_top_k: the tests use the tiny model with a top-k of 256, so bands ending before
@@ -14,7 +15,7 @@ import pytest
 
 from dflash import memory, tiny_model
 from dflash.errors import UsageError
-from dflash.settings import ENV_SHORTCUT, ENV_TILE
+from dflash.settings import ENV_SHORTCUT, ENV_TILE, ENV_WINDOW
 
 from .conftest import CLEAN_ENV, ROOT, run_dflash, run_json
 
@@ -188,6 +189,73 @@ def test_the_tile_is_checked_reported_and_keyed(model_256):
     assert len(set(keys.values())) == 4  # a record proves the tile it ran, and a planted one nothing else
 
 
+# ---------------------------------------------------------------------------------------------
+# the raw window (patch 0008): the raw cache's mask and K view span only the cells a ubatch can see
+
+SWA = 64  # the tiny model's sliding window
+
+
+def window_env(value: str) -> dict:
+    return {ENV_WINDOW: value}
+
+
+def test_the_raw_window_is_bit_identical_to_q1_and_to_the_whole_cache(model_256, prompts, tmp_path):
+    """qualify (q1, the planner at 4, fixed bands of 512) over about 1,250 tokens, with the raw
+    window (the default) and with the whole raw cache: every run bit-identical to q1 in both, and
+    every hash equal. Past about 320 tokens the window leaves the first cells out, and q1 and each
+    band width start it at different cells (each ubatch's first visible cell, rounded down to 256)."""
+    args = ("qualify", "--model", model_256, "--prompt-file", prompts["crossing"], "--widths", "1,4,512",
+            "--threads", "2", "--n-predict", "4")
+    window = run_json(*args, "--evidence", tmp_path / "window")
+    whole = run_json(*args, "--evidence", tmp_path / "whole", env=window_env("0"))
+    assert window["all_exact"] and whole["all_exact"]
+    assert window["n_tokens"] > 1024 + SWA  # bands of 512 from 512 and 1,024 start their windows past cell 0
+    for a, b in zip(window["results"], whole["results"], strict=True):
+        assert (a["width"], a["logits_sha256"], a["response_sha256"]) == (b["width"], b["logits_sha256"],
+                                                                          b["response_sha256"])
+        if a["fixed_width"] is not None:
+            assert a["fixed_width"]["logits_sha256"] == b["fixed_width"]["logits_sha256"]
+
+
+def test_a_planted_window_bug_is_caught(model_256, prompts, tmp_path):
+    """Negative control: `plant` starts each ubatch's window one cell after its first visible cell,
+    so q1 drops every token's oldest cell and a band only its first token's. The qualification must
+    see the bands differ from q1, and q1 differ from the correct q1."""
+    args = ("qualify", "--model", model_256, "--prompt-file", prompts["below"], "--widths", "1,256",
+            "--threads", "2", "--n-predict", "4")
+    planted = run_json(*args, "--evidence", tmp_path / "planted", env=window_env("plant"))
+    good = run_json(*args, "--evidence", tmp_path / "good")
+    assert good["all_exact"] and not planted["all_exact"]
+    wide = planted["results"][1]["fixed_width"]
+    assert not wide["exact"] and wide["first_diff_position"] >= SWA  # the first position whose window moves
+    assert planted["results"][0]["logits_sha256"] != good["results"][0]["logits_sha256"]
+
+
+def test_the_raw_window_is_what_the_attention_reads(model_256):
+    """Bands of 256 over 1,536 tokens (a graph tap on the raw K view of the compressed layers): with
+    the window every band from the second on reads 512 cells (its 256, the 64-token window before
+    them and the padding to 256); with the whole cache the view grows with the position."""
+    window = indexer_nodes(model_256, 1536, 256, {})["raw_cells"]
+    whole = indexer_nodes(model_256, 1536, 256, window_env("0"))["raw_cells"]
+    assert window == [256] + [512] * 5
+    assert whole == [256, 512, 768, 1024, 1280, 1536]
+
+
+def test_the_raw_window_bounds_the_raw_mask(model_256):
+    """dflash memory at a 16,384-token context: with the whole raw cache the compute buffer holds
+    a mask of 16,384 cells x the width (F16, flash attention); with the window about
+    SWA + width + 512 cells, so the buffer is smaller by most of that mask, and the gap grows
+    with the width. The window is the default; `0` is the whole cache."""
+    args = ("memory", "--model", model_256, "--ctx", 16384, "--widths", "64,512", "--threads", "2")
+    window = run_json(*args)["rows"]
+    whole = run_json(*args, env=window_env("0"))["rows"]
+    for w, a, b in zip((64, 512), window, whole, strict=True):
+        assert a["context_bytes"] == b["context_bytes"]  # the caches are the same
+        saved = b["compute_bytes"] - a["compute_bytes"]
+        mask_cells_left_out = 16384 - (SWA + w + 512)
+        assert saved >= 0.9 * mask_cells_left_out * w * 2, (w, saved)
+
+
 def test_tiny_model_indexer_options_are_checked():
     for args in (("--idx-dim", "96"), ("--top-k", "0"), ("--idx-heads", "0"), ("--idx-heads", "129")):
         r = run_dflash("tiny-model", *args, "--out", "/nonexistent/x.gguf")
@@ -272,6 +340,32 @@ def test_auto_takes_the_widest_proven_width_that_fits(tmp_path):
     assert tight["logits_sha256"] == free["logits_sha256"]  # a narrower exact width: the same bits
     r = run_dflash("prefill", "--chunk", "auto", "--threads", "2", "--memory-budget", "1KiB")
     assert r.returncode == 2 and "width 1 needs" in r.stderr  # not even q1 fits
+
+
+def test_auto_within_a_budget_chooses_the_width_and_the_tile_together(model_256, tmp_path):
+    """Records for width 512 with no tile and with tiles of 64 (the tile is keyed in the record). At
+    a 16,384-token context the indexer's scores take 4,096 pooled rows x 512 x 4 bytes at width 512,
+    a tile of 64 an eighth of that: a budget between the two estimates runs width 512 with tile 64,
+    a budget that holds the untiled width runs it without a tile, and both give the same bits."""
+    for tile in ("0", "64"):
+        run_json("qualify", "--model", model_256, "--widths", "1,512", "--threads", "2", "--n-predict", "2",
+                 "--evidence", tmp_path / f"q{tile}", env=tile_env(tile))
+
+    def need(tile: str) -> int:
+        rows = run_json("memory", "--model", model_256, "--ctx", 16384, "--widths", "512", "--threads", "2",
+                        env=tile_env(tile))["rows"]
+        return rows[0]["total_bytes"]
+
+    untiled, tiled = need("0"), need("64")
+    assert tiled < untiled
+    args = ("prefill", "--model", model_256, "--chunk", "auto", "--ctx", 16384, "--threads", "2", "--n-predict", "2")
+    roomy = run_json(*args, "--memory-budget", str(untiled))
+    tight = run_json(*args, "--memory-budget", str((untiled + tiled) // 2))
+    assert (roomy["chunk"], roomy["indexer_tile"], roomy["memory_budget"]["total_bytes"]) == (512, 0, untiled)
+    assert (tight["chunk"], tight["indexer_tile"], tight["memory_budget"]["total_bytes"]) == (512, 64, tiled)
+    assert tight["logits_sha256"] == roomy["logits_sha256"]
+    kept = run_json(*args, "--memory-budget", str((untiled + tiled) // 2), env=tile_env("0"))
+    assert kept["chunk"] < 512 and kept["indexer_tile"] == 0  # a tile set by hand is kept: 512 does not fit
 
 
 def test_memory_from_metadata_alone_for_deepseek_v4_flash_shapes(tmp_path):

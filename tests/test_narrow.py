@@ -181,7 +181,8 @@ def test_narrow_flag_parses_like_every_boolean(value, on):
 def test_narrow_flag_defaults_on_and_rejects_junk():
     s = settings.resolve({})
     assert s.narrow is True and s.library_env() == {settings.ENV_MMVQ: "3", settings.ENV_NARROW: "1",
-                                                    settings.ENV_SHORTCUT: "1", settings.ENV_TILE: "0"}
+                                                    settings.ENV_SHORTCUT: "1", settings.ENV_TILE: "0",
+                                                    settings.ENV_WINDOW: "1"}
     with pytest.raises(UsageError, match=settings.ENV_NARROW):
         settings.resolve({settings.ENV_NARROW: "maybe"})
     assert dict(settings.resolve({settings.ENV_NARROW: "0"}).env_raw) == {settings.ENV_NARROW: "0"}

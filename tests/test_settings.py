@@ -64,7 +64,7 @@ def test_raw_flags_are_kept_and_effective_ones_exported():
     s = settings.resolve({settings.ENV_BANDS: "yes", settings.ENV_MMVQ: "0", "UNRELATED": "x"})
     assert dict(s.env_raw) == {settings.ENV_BANDS: "yes", settings.ENV_MMVQ: "0"}
     assert s.library_env() == {settings.ENV_MMVQ: "8", settings.ENV_NARROW: "1", settings.ENV_SHORTCUT: "1",
-                                settings.ENV_TILE: "0"}
+                                settings.ENV_TILE: "0", settings.ENV_WINDOW: "1"}
 
 
 def test_verbose_and_debug_flags():
@@ -80,6 +80,17 @@ def test_the_indexer_shortcut_flag(raw, mode, exported):
     env = {} if raw is None else {settings.ENV_SHORTCUT: raw}
     s = settings.resolve(env)
     assert s.indexer_shortcut == mode and s.library_env()[settings.ENV_SHORTCUT] == exported
+
+
+@pytest.mark.parametrize("raw,mode,exported", [
+    (None, "on", "1"), ("", "on", "1"), ("yes", "on", "1"), ("off", "off", "0"), ("0", "off", "0"),
+    ("plant", "plant", "plant"), (" Plant ", "plant", "plant")])
+def test_the_raw_window_flag(raw, mode, exported):
+    env = {} if raw is None else {settings.ENV_WINDOW: raw}
+    s = settings.resolve(env)
+    assert s.raw_window == mode and s.library_env()[settings.ENV_WINDOW] == exported
+    with pytest.raises(UsageError, match=settings.ENV_WINDOW):
+        settings.resolve({settings.ENV_WINDOW: "narrow"})
 
 
 def test_a_malformed_indexer_shortcut_flag_is_a_usage_error():

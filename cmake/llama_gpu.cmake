@@ -1,5 +1,5 @@
-# The GPU branch of cmake/llama.cmake (included when DFLASH_GPU is hip or cuda): the options and
-# patches of ggml's HIP and CUDA backends. A file of its own, so that only GPU builds are keyed by
+# The GPU branch of cmake/llama.cmake (included when DFLASH_GPU is hip, cuda or vulkan): the options
+# and patches of ggml's HIP, CUDA and Vulkan backends. A file of its own, so that only GPU builds are keyed by
 # it (dflash/build.py): editing it rebuilds no CPU library.
 # Its one option of its own, DFLASH_CUDA_LIBS (-DDFLASH_CUDA_LIBS=<folder>, what `dflash build --gpu cuda`
 # passes): cuBLAS, the CUDA runtime and a driver link stub from NVIDIA's wheels (dflash/cuda_libs.py).
@@ -13,6 +13,15 @@ if(DFLASH_GPU STREQUAL "hip")
          -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels
          -P ${CMAKE_CURRENT_SOURCE_DIR}/hip_kernels/apply_patch.cmake)
   endif()
+elseif(DFLASH_GPU STREQUAL "vulkan")
+  # ggml's Vulkan backend with the system's Vulkan headers, loader, SPIRV-Headers and glslc
+  # (Debian: libvulkan-dev, spirv-headers, glslc); it runs on any Vulkan driver (lavapipe here,
+  # RADV on gfx1151/gfx1201). Both flavors apply vulkan_kernels' common patches; the exact one
+  # also its exact patches (and, as every exact build, the exact CPU patch set).
+  list(APPEND _llama_args -DGGML_VULKAN=ON)
+  list(APPEND _llama_patch COMMAND ${CMAKE_COMMAND} -DSRC=<SOURCE_DIR> -DFLAVOR=${DFLASH_LLAMA_FLAVOR}
+       -DPATCH_DIR=${CMAKE_CURRENT_SOURCE_DIR}/vulkan_kernels
+       -P ${CMAKE_CURRENT_SOURCE_DIR}/vulkan_kernels/apply_patches.cmake)
 elseif(DFLASH_GPU STREQUAL "cuda")
   # The same ggml-cuda sources for NVIDIA (nvcc). Flash-attention kernels are not built: exact GPU
   # runs turn flash attention off. The exact flavor applies the narrow-MMVQ patch set with its

@@ -42,7 +42,12 @@ __all__ = ["CPU_VARIANTS", "FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CP
 
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake",
                "cmake/install_cpu_backend.cmake")
-_GPU_KEY_INPUTS = ("cmake/llama_gpu.cmake",)  # read by the HIP and CUDA builds only
+_GPU_KEY_INPUTS = ("cmake/llama_gpu.cmake",)  # read by the GPU builds only
+_VULKAN_KEY_INPUTS = ("vulkan_kernels/apply_patches.cmake", "vulkan_kernels/patches")  # the Vulkan build's own
+GPU_BACKENDS = ("hip", "cuda", "vulkan")  # `dflash build --gpu`
+# what the Vulkan build needs from the system: a file or program each, and the Debian package giving it
+VULKAN_NEEDS = (("glslc", "glslc"), ("/usr/include/vulkan/vulkan_core.h", "libvulkan-dev"),
+                ("/usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake", "spirv-headers"))
 _PATCH_DIRS = {"exact": ("cpu_kernels/patches/common", "cpu_kernels/patches/exact", "rpc/patches"),
                "stock": ("cpu_kernels/patches/common", "rpc/patches")}  # the patch set each flavor applies
 # what the llama-server build reads beyond the exact library it links against
@@ -86,11 +91,34 @@ def build_key(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
                           f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
-    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + ((*_GPU_KEY_INPUTS, *_hip_kernels_inputs()) if gpu != "none" else ()))
+    if gpu == "vulkan":
+        gpu_inputs: tuple[str, ...] = (*_GPU_KEY_INPUTS, *_VULKAN_KEY_INPUTS)
+    else:
+        gpu_inputs = (*_GPU_KEY_INPUTS, *_hip_kernels_inputs()) if gpu != "none" else ()
+    _hash_files(h, _PATCH_DIRS.get(flavor, ()) + gpu_inputs)
     h.update(_host_fingerprint().encode())
     if gpu == "cuda":  # the CUDA build: its architectures, its compiler, the cuBLAS/runtime wheels it links
         h.update(f"|{cuda_architectures()}|{_nvcc_version()}|{_cuda_libs_key()}".encode())
+    if gpu == "vulkan":  # the shader compiler and the headers the backend is compiled against
+        h.update(f"|{vulkan_toolchain()}".encode())
     return h.hexdigest()[:16]
+
+
+def vulkan_missing() -> list[str]:
+    """The Debian packages the Vulkan build needs and this machine lacks."""
+    return [pkg for need, pkg in VULKAN_NEEDS
+            if not (Path(need).is_file() if need.startswith("/") else shutil.which(need))]
+
+
+def vulkan_toolchain() -> str:
+    """glslc's version line and the Vulkan headers' version: what a Vulkan build is keyed by."""
+    try:
+        glslc = subprocess.run(["glslc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        glslc = "no glslc"
+    header = Path("/usr/include/vulkan/vulkan_core.h")
+    m = re.search(r"#define VK_HEADER_VERSION (\d+)", header.read_text(errors="replace")) if header.is_file() else None
+    return f"{glslc}|headers {m.group(1) if m else 'none'}"
 
 
 def _cuda_libs_key() -> str:
@@ -243,6 +271,10 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
         raise DflashError("cmake is not installed (apt-get install cmake)")
     if gpu == "cuda" and _nvcc() is None:
         raise DflashError("the CUDA build needs nvcc (install the CUDA toolkit, or put its bin/ on PATH)")
+    if gpu == "vulkan" and vulkan_missing():
+        pkgs = " ".join(vulkan_missing())
+        raise DflashError(f"the Vulkan build needs {pkgs} (Debian: apt-get install {pkgs}, or "
+                          f"scripts/setup --vulkan; mesa-vulkan-drivers gives the CPU driver lavapipe)")
     from .stage import stage
     stage(f"build of the {flavor} llama.cpp library")
     src = source_dir(log)
@@ -250,6 +282,9 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
         if is_built(flavor, gpu):  # another process built it while this one waited
             return library_dir(flavor, gpu)
         return _build_native(flavor, gpu, src, work, jobs, log)
+
+
+_BUILD_TIME = {"none": "about 2 minutes on 2 cores", "vulkan": "VULKAN_TIME on 2 cores"}
 
 
 def _build_native(flavor: str, gpu: str, src: Path, work: Path, jobs: int | None, log: Log) -> Path:
@@ -268,7 +303,8 @@ def _build_native(flavor: str, gpu: str, src: Path, work: Path, jobs: int | None
         configure += [f"-DCUDA_ARCHITECTURES={cuda_architectures()}", *libs.cmake_args()]
     env = {**os.environ, **({"CUDACXX": str(_nvcc())} if gpu == "cuda" else {})}  # how CMake finds nvcc
     hint = {"hip": "; the HIP build needs ROCm >= 6.1 with its clang as HIP compiler",
-            "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)"}.get(gpu, "")
+            "cuda": "; the CUDA build needs the CUDA toolkit (nvcc)",
+            "vulkan": "; the Vulkan build needs glslc, libvulkan-dev and spirv-headers"}.get(gpu, "")
 
     def cuda_hint(log_text: str) -> str:
         if gpu == "cuda" and "CUDA::cublas" in log_text:
@@ -276,9 +312,9 @@ def _build_native(flavor: str, gpu: str, src: Path, work: Path, jobs: int | None
                     f"(see dflash/cuda_libs.py)")
         return hint
     log(f"building llama.cpp ({flavor}, {LLAMA_CPP_COMMIT}) -> {dest} "
-        f"({'about 2 minutes on 2 cores' if gpu == 'none' else 'long'}, once)")
+        f"({_BUILD_TIME.get(gpu, 'long')}, once)")
     _cmake_install(work, configure, "lib/libllama.so", dest, f"llama.cpp {flavor}", jobs, log, env, cuda_hint,
-                   cache=gpu == "none")
+                   cache=gpu in ("none", "vulkan"))
     return library_dir(flavor, gpu)
 
 

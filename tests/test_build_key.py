@@ -13,7 +13,7 @@ import pytest
 from dflash import build
 from dflash.errors import DflashError
 
-INPUTS = ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "rpc/patches", "hip_kernels")
+INPUTS = ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "rpc/patches", "hip_kernels", "vulkan_kernels")
 RPC = "rpc/patches"
 COMMON = "cpu_kernels/patches/common"
 EXACT = "cpu_kernels/patches/exact"
@@ -284,3 +284,30 @@ def test_the_gpu_key_hashes_what_the_patch_step_opens(tmp_path):
     hashed = set(build._hip_kernels_inputs())
     assert opened <= hashed | set(build._KEY_INPUTS), opened - hashed - set(build._KEY_INPUTS)
     assert hashed <= opened, hashed - opened
+
+
+def test_vulkan_kernels_and_toolchain_change_only_vulkan_keys(repo, monkeypatch):
+    """vulkan_kernels (its patch set and apply script) and the Vulkan toolchain (glslc, the
+    headers' version) key the Vulkan builds alone; hip_kernels do not key them."""
+    monkeypatch.setattr(build, "vulkan_toolchain", lambda: "shaderc v2023.2|headers 239")
+    before = {gpu: keys(gpu) for gpu in ("none", "hip", "vulkan")}
+    assert before["vulkan"] != before["hip"] and before["vulkan"] != before["none"]
+    flip_byte(first_patch(repo, "vulkan_kernels/patches/common"))
+    after = {gpu: keys(gpu) for gpu in ("none", "hip", "vulkan")}
+    assert after["none"] == before["none"] and after["hip"] == before["hip"]
+    assert all(after["vulkan"][f] != before["vulkan"][f] for f in build.FLAVORS)
+    flip_byte(repo / "hip_kernels" / "apply_patch.cmake")
+    assert keys("vulkan") == after["vulkan"]
+    monkeypatch.setattr(build, "vulkan_toolchain", lambda: "shaderc v2024.0|headers 290")
+    assert all(keys("vulkan")[f] != after["vulkan"][f] for f in build.FLAVORS)
+
+
+def test_the_vulkan_build_names_the_packages_it_lacks(monkeypatch):
+    """Without glslc, the headers or SPIRV-Headers the build stops before cmake, naming the Debian
+    packages (one line, the exit code of a failed build)."""
+    monkeypatch.setattr(build, "VULKAN_NEEDS", (("dflash-no-such-glslc", "glslc"),
+                                                ("/nonexistent/vulkan_core.h", "libvulkan-dev")))
+    monkeypatch.setattr(build, "is_built", lambda *a, **k: False)
+    assert build.vulkan_missing() == ["glslc", "libvulkan-dev"]
+    with pytest.raises(DflashError, match="apt-get install glslc libvulkan-dev"):
+        build.build_library("stock", "vulkan")

@@ -63,3 +63,25 @@ def test_a_patch_that_does_not_fit_is_a_fatal_error(tmp_path):
     r = apply(tree, bad)
     assert r.returncode != 0 and "does not apply" in r.stderr
     assert (tree / "f.txt").read_text() == "".join(LINES)
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="no cmake")
+def test_the_vulkan_patch_set_fits_the_pinned_source(tmp_path):
+    """vulkan_kernels/apply_patches.cmake on a copy of the pinned ggml-vulkan.cpp: the common patch
+    lands (the layer-settings block is guarded for Vulkan headers without VK_EXT_layer_settings),
+    and a second run leaves the file as it is."""
+    from dflash import build
+    src = build.source_dir() / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
+    tree = tmp_path / "llama.cpp"
+    dst = tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
+    dst.parent.mkdir(parents=True)
+    shutil.copy2(src, dst)
+    cmd = ["cmake", f"-DSRC={tree}", "-DFLAVOR=exact", f"-DPATCH_DIR={ROOT / 'vulkan_kernels'}", "-P",
+           str(ROOT / "vulkan_kernels" / "apply_patches.cmake")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    once = dst.read_text()
+    assert "#if defined(VK_EXT_layer_settings)" in once and once != src.read_text()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert dst.read_text() == once

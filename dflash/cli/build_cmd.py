@@ -12,11 +12,13 @@ from .options import Command
 @click.command("build", cls=Command)
 @click.option("--lib", "libs", type=click.Choice(build.FLAVORS), multiple=True,
               help="Flavor(s) to build [default: exact and stock].")
-@click.option("--gpu", type=click.Choice(["none", "hip", "cuda"]), default="none", show_default=True,
+@click.option("--gpu", type=click.Choice(["none", *build.GPU_BACKENDS]), default="none", show_default=True,
               help="hip: the ggml HIP backend with dflash's narrow kernels (needs ROCm >= 6.1); use the "
                    "printed folder as DFLASH_LLAMA_LIB_DIR. cuda: the same ggml-cuda sources for NVIDIA "
                    "(needs nvcc; cuBLAS comes from PyPI; CUDA_ARCHITECTURES, default 90-real: sm_90 code; "
-                   "flash-attention kernels left out); --device cuda:N loads it.")
+                   "flash-attention kernels left out); --device cuda:N loads it. vulkan: ggml's Vulkan "
+                   "backend (needs glslc, libvulkan-dev, spirv-headers: scripts/setup --vulkan installs them); "
+                   "no batch-invariant Vulkan kernels yet (see vulkan_kernels/README.md).")
 @click.option("--compile-only", is_flag=True,
               help="With --gpu hip: compile the whole patched ggml-hip for gfx1151 and gfx1201 without ROCm "
                    "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "

@@ -43,7 +43,8 @@ __all__ = ["CPU_VARIANTS", "FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CP
 _KEY_INPUTS = ("CMakeLists.txt", "cmake/llama.cmake", "cmake/apply_patches.cmake", "cmake/patch_set.cmake",
                "cmake/install_cpu_backend.cmake")
 _GPU_KEY_INPUTS = ("cmake/llama_gpu.cmake",)  # read by the GPU builds only
-_VULKAN_KEY_INPUTS = ("vulkan_kernels/apply_patches.cmake", "vulkan_kernels/patches")  # the Vulkan build's own
+_VULKAN_KEY_INPUTS = ("vulkan_kernels/apply_patches.cmake", "vulkan_kernels/patches/common")  # the Vulkan build's own
+_VULKAN_FLAVOR_INPUTS = {"exact": ("vulkan_kernels/patches/exact",)}  # and its flavor's
 GPU_BACKENDS = ("hip", "cuda", "vulkan")  # `dflash build --gpu`
 # what the Vulkan build needs from the system: a file or program each, and the Debian package giving it
 VULKAN_NEEDS = (("glslc", "glslc"), ("/usr/include/vulkan/vulkan_core.h", "libvulkan-dev"),
@@ -92,7 +93,7 @@ def build_key(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
     for rel in _KEY_INPUTS:
         h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
     if gpu == "vulkan":
-        gpu_inputs: tuple[str, ...] = (*_GPU_KEY_INPUTS, *_VULKAN_KEY_INPUTS)
+        gpu_inputs: tuple[str, ...] = (*_GPU_KEY_INPUTS, *_VULKAN_KEY_INPUTS, *_VULKAN_FLAVOR_INPUTS.get(flavor, ()))
     else:
         gpu_inputs = (*_GPU_KEY_INPUTS, *_hip_kernels_inputs()) if gpu != "none" else ()
     _hash_files(h, _PATCH_DIRS.get(flavor, ()) + gpu_inputs)

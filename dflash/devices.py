@@ -1,4 +1,5 @@
-"""Devices: the CPU always, AMD GPUs through hip-python when a ROCm runtime and a device exist.
+"""Devices: the CPU always, AMD GPUs through hip-python when a ROCm runtime and a device exist,
+NVIDIA GPUs through nvidia-smi, Vulkan devices (Mesa's lavapipe included) through vulkaninfo.
 
 hip-python imports without ROCm; its first call raises RuntimeError when libamdhip64.so is
 missing, and hipGetDeviceCount returns hipErrorNoDevice when the runtime finds no GPU. Both
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -18,9 +20,9 @@ from .errors import NoDeviceError, UsageError, arg
 
 @dataclass(frozen=True)
 class Device:
-    id: str              # "cpu", "hip:N" or "cuda:N"
+    id: str              # "cpu", "hip:N", "cuda:N" or "vulkan:N"
     name: str
-    arch: str            # gfx1201, gfx1151, ... or the CPU's machine type
+    arch: str            # gfx1201, gfx1151, ...; a Vulkan device's driver and its version; the CPU's machine type
     memory_bytes: int | None
     compute_units: int
 
@@ -83,8 +85,8 @@ def hip_devices() -> tuple[list[Device], str | None]:
     return out, None
 
 
-GPU_KINDS = ("hip", "cuda")
-_SPEC_HELP = ("use cpu, hip:N or cuda:N, rpc:N (a device of a --rpc server), or a layer split of those "
+GPU_KINDS = ("hip", "cuda", "vulkan")
+_SPEC_HELP = ("use cpu, hip:N, cuda:N or vulkan:N, rpc:N (a device of a --rpc server), or a layer split of those "
               "joined by commas, e.g. hip:0,hip:1, cpu,rpc:0 or rpc:0,rpc:1")
 
 
@@ -99,7 +101,7 @@ class DeviceSpec:
 
     @property
     def kind(self) -> str:
-        """The local library's backend: 'hip', 'cuda', or 'cpu' (also for CPU + RPC devices)."""
+        """The local library's backend: 'hip', 'cuda', 'vulkan', or 'cpu' (also for CPU + RPC devices)."""
         kinds = {e.split(":", 1)[0] for e in self.entries} & set(GPU_KINDS)
         return kinds.pop() if kinds else "cpu"
 
@@ -127,7 +129,7 @@ class DeviceSpec:
 
 
 def parse_spec(spec: str) -> DeviceSpec:
-    """--device: cpu | hip:N | cuda:N | rpc:N, or several joined by commas (a layer split); one GPU
+    """--device: cpu | hip:N | cuda:N | vulkan:N | rpc:N, or several joined by commas (a layer split); one GPU
     kind per run (one library); no device twice."""
     text = spec.strip().lower()
     entries = []
@@ -143,12 +145,12 @@ def parse_spec(spec: str) -> DeviceSpec:
     if len(set(entries)) != len(entries):
         raise UsageError(f"{arg('device')} {spec!r} names a device twice")
     if len({e.split(":", 1)[0] for e in entries} & set(GPU_KINDS)) > 1:
-        raise UsageError(f"{arg('device')} {spec!r} mixes HIP and CUDA devices (one library per run)")
+        raise UsageError(f"{arg('device')} {spec!r} mixes GPU backends (one library per run)")
     return DeviceSpec(tuple(entries))
 
 
 def device_kind(spec: str) -> str:
-    """'cpu', 'hip' or 'cuda': the backend of the library a run with this --device loads."""
+    """'cpu', 'hip', 'cuda' or 'vulkan': the backend of the library a run with this --device loads."""
     return parse_spec(spec).kind
 
 
@@ -180,12 +182,46 @@ def cuda_devices() -> tuple[list[Device], str | None]:
     return (out, None) if out else ([], "nvidia-smi lists no GPU")
 
 
+def vulkan_devices() -> tuple[list[Device], str | None]:
+    """Vulkan devices in the loader's order (what vulkan:N numbers), as `vulkaninfo --summary` lists
+    them, CPU drivers (Mesa's lavapipe) included; or ([], the reason there are none). The arch is the
+    driver and its version ("llvmpipe Mesa 22.3.6 (LLVM 15.0.6)", "radv Mesa 25.0.7"): what a
+    qualification record keys, since the driver compiles the shaders."""
+    tool = shutil.which("vulkaninfo")
+    if tool is None:
+        return [], "vulkaninfo not found (apt-get install vulkan-tools mesa-vulkan-drivers)"
+    try:
+        r = subprocess.run([tool, "--summary"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], f"vulkaninfo failed: {e}"
+    return parse_vulkaninfo(r.stdout) or ([], "vulkaninfo lists no Vulkan device (no driver: apt-get install "
+                                              "mesa-vulkan-drivers for lavapipe, or your GPU's)")
+
+
+def parse_vulkaninfo(text: str) -> tuple[list[Device], None] | None:
+    """The devices of `vulkaninfo --summary`'s "Devices:" section (GPU0:, GPU1:, ... blocks)."""
+    blocks: list[dict[str, str]] = []
+    for line in text.split("Devices:", 1)[-1].splitlines():
+        s = line.strip()
+        if re.fullmatch(r"GPU\d+:", s):
+            blocks.append({})
+        elif blocks and "=" in s:
+            key, _, value = s.partition("=")
+            blocks[-1][key.strip()] = value.strip()
+    out = [Device(f"vulkan:{i}", b.get("deviceName", "?"),
+                  " ".join(x for x in (b.get("driverName"), b.get("driverInfo")) if x) or "unknown driver",
+                  None, 0) for i, b in enumerate(blocks)]
+    return (out, None) if out else None
+
+
 def require_gpu(spec: str) -> list[Device]:
-    """The local GPUs `spec` names (hip:N or cuda:N), or NoDeviceError (exit 3) saying why they are
-    not there; [] when it names none."""
+    """The local GPUs `spec` names (hip:N, cuda:N or vulkan:N), or NoDeviceError (exit 3) saying why
+    they are not there; [] when it names none."""
     kind, ids = device_kind(spec), parse_device(spec)
     if kind == "cpu":
         return []
+    if kind == "vulkan":
+        return _pick("vulkan", "Vulkan", vulkan_devices(), ids)
     return require_hip(ids) if kind == "hip" else _pick("cuda", "CUDA", cuda_devices(), ids)
 
 

@@ -133,7 +133,10 @@ class Engine:
     @property
     def uncovered_weight_types(self) -> dict[str, int]:
         """The model's matrix weight types (-> tensor count, gguf_meta's matrix_types) outside the
-        narrow path on this device (dflash/narrow.py); {} on the CPU."""
+        narrow path on this device (dflash/narrow.py); {} on the CPU, and on a Vulkan device, where the
+        exact flavor runs every product through one shader family (vulkan_kernels/README.md)."""
+        if devices.parse_spec(self.device).kind == "vulkan":
+            return {}
         return narrow.uncovered_weight_types(self.info.matrix_types, self.gpu_archs, self.settings.narrow)
 
     def narrow_warnings(self) -> list[str]:
@@ -228,7 +231,7 @@ def gpu_placement(ids: list[int]) -> dict:
 
 def _require_gpu_library() -> None:
     if not llama.supports_gpu():
-        raise DflashError("the loaded llama.cpp library has no GPU backend: `dflash build --gpu hip|cuda` "
+        raise DflashError("the loaded llama.cpp library has no GPU backend: `dflash build --gpu hip|cuda|vulkan` "
                           "builds one (see hip_kernels/README.md), or set DFLASH_LLAMA_LIB_DIR to one")
 
 
@@ -238,13 +241,28 @@ def cpu_layers(n_layers: int, parts: int) -> int:
     return min(max(round(n_layers / parts), 1), max(n_layers - 1, 0))
 
 
-def list_placement(spec: devices.DeviceSpec, n_layers: int, remote: Remote | None) -> dict:
+def vulkan_visible(ids: list[int]) -> dict[int, int]:
+    """Show ggml's Vulkan backend the devices vulkan:N names (GGML_VK_VISIBLE_DEVICES, read when the
+    library loads; without it the backend skips CPU drivers such as lavapipe). Returns each N's index
+    among the library's devices. A process that loaded the library showing other devices is refused."""
+    want = ",".join(str(i) for i in sorted(ids))
+    have = os.environ.get("GGML_VK_VISIBLE_DEVICES")
+    if llama.library_dir() is not None and have != want:
+        named = ",".join(f"vulkan:{i}" for i in ids)
+        raise DflashError(f"this process loaded llama.cpp with GGML_VK_VISIBLE_DEVICES={have!r}; "
+                          f"{arg('device')} {named} needs a process of its own (dflash.worker)")
+    os.environ["GGML_VK_VISIBLE_DEVICES"] = want
+    return {n: i for i, n in enumerate(sorted(ids))}
+
+
+def list_placement(spec: devices.DeviceSpec, n_layers: int, remote: Remote | None,
+                   index: dict[int, int] | None = None) -> dict:
     """Model placement by an explicit device list (RPC devices, the CPU in a split): the CPU keeps
     the first layers, every other device an even share of the rest (the output layer with the last)."""
     gpus = llama.gpu_devices() if spec.gpu_ids else []
     if spec.gpu_ids:
         _require_gpu_library()
-        if max(spec.gpu_ids) >= len(gpus):
+        if max((index or {}).get(i, i) for i in spec.gpu_ids) >= len(gpus):
             raise DflashError(f"the loaded library sees {len(gpus)} GPU device(s), {arg('device')} names {spec}")
     remote_handles = llama.rpc_add_servers(remote.endpoints) if remote is not None else []
     handles = []
@@ -253,7 +271,7 @@ def list_placement(spec: devices.DeviceSpec, n_layers: int, remote: Remote | Non
         if kind == "rpc":
             handles.append(remote_handles[int(n)])
         elif kind != "cpu":
-            handles.append(gpus[int(n)])
+            handles.append(gpus[(index or {}).get(int(n), int(n))])
     offloaded = n_layers + 1 - (cpu_layers(n_layers, len(spec.entries)) if spec.cpu_share else 0)
     out: dict = {"devices": handles, "n_gpu_layers": offloaded, "main_gpu": 0}
     if len(handles) > 1:
@@ -303,15 +321,16 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     rpc_warnings: list[str] = []
     if remote is not None:  # before the build or the model load: a refused server costs nothing
         rpc_warnings = check_builds(remote.servers, proofs.build_id(settings, kind), remote.allow_mixed_builds)
+    index = vulkan_visible(spec.gpu_ids) if kind == "vulkan" else {i: i for i in spec.gpu_ids}
     lib_dir = load_library(settings, log, gpu="none" if kind == "cpu" else kind, build_missing=build_missing)
     if path is None:  # a K-quant built-in model: made by the library just loaded
         path = resolve_model(None, weights)
         info = gguf_meta.read(path)
     assert info is not None  # read above, before or after the library's quantizer made the file
     if spec.by_device_list:
-        placement = list_placement(spec, info.n_layers or 1, remote)
+        placement = list_placement(spec, info.n_layers or 1, remote, index)
     else:
-        placement = gpu_placement(spec.gpu_ids)
+        placement = gpu_placement([index[i] for i in spec.gpu_ids])
     extra = repack_for(spec, repack)
     model = llama.Model(path, **placement, extra_bufts=extra, no_alloc=no_alloc, mmap=mmap)
     # the library read DFLASH_DS4_INDEXER_TILE when this process first loaded it; a later run (a

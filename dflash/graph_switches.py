@@ -9,7 +9,7 @@ Environment switches. ENV_SWITCHES are the ones that choose another kernel or an
 record made with one set (or unset) does not vouch for a run where it differs. "gpu" ones count on
 a CUDA/HIP device only. dflash's own flags that the libraries read (ENV_BY_SETTINGS) enter the key
 through dflash/settings.py. ENV_IGNORED lists every other `getenv` of the pinned source in
-ggml-cpu, ggml-cuda, ggml's core and src/: they print, trace or place memory, and change no result.
+ggml-cpu, ggml-cuda, ggml-vulkan, ggml's core and src/: they print, trace or place memory, and change no result.
 tests/test_graph_switches.py greps the source and fails on a name in none of the three lists.
 
 Graph switches (GRAPH_SWITCHES, by `general.architecture` as llama.cpp spells it):
@@ -45,6 +45,8 @@ class EnvSwitch:
 _KLEIDIAI = "ggml/src/ggml-cpu/kleidiai/kleidiai.cpp"
 _SPACEMIT = "ggml/src/ggml-cpu/spacemit/ime_env.cpp"
 _CUDA = "ggml/src/ggml-cuda/ggml-cuda.cu"
+_VK = "ggml/src/ggml-vulkan/ggml-vulkan.cpp"
+_VK_EXACT = "vulkan_kernels/patches/exact/0002-ggml-vulkan-one-shader-every-width.patch"  # in this repository
 
 ENV_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("GGML_CPU_TILED_MM", "ggml/src/ggml-cpu/tiled/tiled.cpp:577",
@@ -79,6 +81,23 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("GGML_CUDA_AR_COPY_CHUNK_BYTES", "ggml/src/ggml-cuda/allreduce.cu:426", "the all-reduce's chunks", "gpu"),
     EnvSwitch("GGML_CUDA_AR_BF16_THRESHOLD", "ggml/src/ggml-cuda/allreduce.cu:435",
               "from which size the all-reduce sends BF16", "gpu"),
+    EnvSwitch("DFLASH_VK_EXACT", f"{_VK_EXACT}:16",
+              "0: llama.cpp's own Vulkan routing in the exact build; plant: the planted bug", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_COOPMAT", f"{_VK}:4060", "Vulkan: no cooperative-matrix shaders", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_COOPMAT2", f"{_VK}:4068", "Vulkan: no NV cooperative-matrix-2 shaders", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_COOPMAT2_DECODE_VECTOR", f"{_VK}:4072", "Vulkan: another coopmat2 dequant path", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_INTEGER_DOT_PRODUCT", f"{_VK}:4076", "Vulkan: no int8 dot-product (MMQ) shaders", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_BFLOAT16", f"{_VK}:4081", "Vulkan: no bfloat16 shaders", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_DOT2", f"{_VK}:4093", "Vulkan: no mixed-precision dot2 instructions", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_F16", f"{_VK}:4269", "Vulkan: no fp16 arithmetic (f32 accumulators)", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_GRAPH_OPTIMIZE", f"{_VK}:4022", "Vulkan: the graph is not reordered for fusion",
+              "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_OCP_FP4", f"{_VK}:4506", "Vulkan: another MXFP4 decode", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_MULTI_ADD", f"{_VK}:4512", "Vulkan: additions not fused", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_FUSION", f"{_VK}:4897", "Vulkan: no op fusion", "gpu"),
+    EnvSwitch("GGML_VK_DISABLE_MMVQ", f"{_VK}:4908", "Vulkan: no int8 mat-vec shaders", "gpu"),
+    EnvSwitch("GGML_VK_FORCE_MMVQ", f"{_VK}:4910", "Vulkan: int8 mat-vec shaders wherever they exist", "gpu"),
+    EnvSwitch("GGML_VK_FA_SPARSE_DISABLE", f"{_VK}:8136", "Vulkan: flash attention without the sparse gather", "gpu"),
 )
 
 # dflash's flags the libraries read; the record's key covers them through Settings (proofs.library_key)
@@ -99,6 +118,15 @@ ENV_IGNORED = frozenset({
     "LLAMA_TRACE", "LLAMA_DSV4_COMPRESS_DEBUG",
     "GGML_CUDA_ENABLE_UNIFIED_MEMORY", "GGML_CUDA_P2P", "GGML_CUDA_NO_PINNED", "GGML_CUDA_REGISTER_HOST",
     "DFLASH_RPC_BUILD_ID",
+    # ggml-vulkan: queues, submission, memory placement, logging, debug-build checks; the devices it
+    # lists (dflash sets GGML_VK_VISIBLE_DEVICES from --device vulkan:N, and records key the device)
+    "GGML_VK_ALLOW_GRAPHICS_QUEUE", "GGML_VK_ALLOW_SYSMEM_FALLBACK", "GGML_VK_ASYNC_USE_TRANSFER_QUEUE",
+    "GGML_VK_DEBUG_MARKERS", "GGML_VK_DISABLE_ASYNC", "GGML_VK_DISABLE_DESCRIPTOR_REUSE",
+    "GGML_VK_DISABLE_HOST_VISIBLE_VIDMEM", "GGML_VK_ENABLE_MEMORY_PRIORITY", "GGML_VK_FORCE_MAX_ALLOCATION_SIZE",
+    "GGML_VK_FORCE_MAX_BUFFER_SIZE", "GGML_VK_MAX_NODES_PER_SUBMIT", "GGML_VK_MEMORY_LOGGER", "GGML_VK_PERF_LOGGER",
+    "GGML_VK_PERF_LOGGER_CONCURRENT", "GGML_VK_PERF_LOGGER_FREQUENCY", "GGML_VK_PIPELINE_STATS",
+    "GGML_VK_PREFER_HOST_MEMORY", "GGML_VK_SERIALIZE_SUBMISSIONS", "GGML_VK_SUBALLOCATION_BLOCK_SIZE",
+    "GGML_VK_SYNC_LOGGER", "GGML_VK_VISIBLE_DEVICES", "GGML_VULKAN_OUTPUT_TENSOR", "GGML_VULKAN_SKIP_CHECKS",
 })
 
 

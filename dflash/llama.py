@@ -209,7 +209,8 @@ def _ggml_rpc() -> ctypes.CDLL:
 
 def gpu_devices() -> list[int]:
     """The local GPU devices of the loaded library (ggml device handles), in ggml's order: what
-    hip:N / cuda:N index. RPC devices are not among them."""
+    hip:N / cuda:N / vulkan:N index (vulkan:N through GGML_VK_VISIBLE_DEVICES: engine.vulkan_visible).
+    RPC devices are not among them."""
     g = _ggml()
     out: list[int] = []
     for i in range(g.ggml_backend_dev_count()):

@@ -97,7 +97,7 @@ _WIDTH_KEYS = {"width", "planner_exact", "planner_widest_band", "fixed_exact", "
                "evidence_dir"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX = re.compile(r"[0-9a-f]{16,64}")
-_DEVICE = re.compile(r"(cpu|hip:\d+|cuda:\d+|rpc:\d+)(,(cpu|hip:\d+|cuda:\d+|rpc:\d+))*")
+_DEVICE = re.compile(r"(cpu|hip:\d+|cuda:\d+|vulkan:\d+|rpc:\d+)(,(cpu|hip:\d+|cuda:\d+|vulkan:\d+|rpc:\d+))*")
 _NAME = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # a buffer type's or a switch's name
 
 Warn = Callable[[str], None]
@@ -317,7 +317,7 @@ def parse(raw: bytes) -> Record:
           and _HEX64.fullmatch(model["sha256"]) is not None and isinstance(model["path"], str),
           "model is not {\"sha256\": <64 lowercase hex>, \"path\": <string>}")
     _need(isinstance(d["device"], str) and _DEVICE.fullmatch(d["device"]) is not None,
-          f"device {d['device']!r} is not a --device (cpu, hip:N, cuda:N, rpc:N, joined by commas)")
+          f"device {d['device']!r} is not a --device (cpu, hip:N, cuda:N, vulkan:N, rpc:N, joined by commas)")
     rt = _runtime(d["runtime"])
     _need(_is_time(d["updated_utc"]), f"updated_utc {d['updated_utc']!r} is not {TIME_FORMAT}")
     _need(isinstance(d["widths"], list) and len(d["widths"]) > 0, "widths is not a non-empty list")

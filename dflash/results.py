@@ -601,7 +601,7 @@ class RpcServerResult:
     """A running `dflash rpc-server`: where it listens and what it serves."""
     endpoint: str
     build: str              # the library build id it reports to clients
-    device: str             # cpu, hip:N or cuda:N
+    device: str             # cpu, hip:N, cuda:N or vulkan:N
     protocol: str           # the RPC protocol version it answered
     threads: int
     library: Library

@@ -84,7 +84,7 @@ class Session:
 
     model:         a GGUF path, or None for the built-in tiny DeepSeek-V4 model (`weights` preset)
     lib:           "exact" (batch-invariant) or "stock" (llama.cpp's defaults)
-    device:        "cpu", "hip:N", "cuda:N", "rpc:N", or several joined by commas
+    device:        "cpu", "hip:N", "cuda:N", "vulkan:N", "rpc:N", or several joined by commas
     threads:       CPU threads (default: min(cores, 8))
     chunk:         1..4, or 5..4096 / "auto" with a qualification record (implies bands)
     bands:         True opts in to bands (q1 otherwise, unless the settings' flags opt in)

@@ -272,7 +272,7 @@ class LibraryRun:
         self.lib = lib
         self.worker = Worker(settings=plan.settings, lib=lib, model=plan.model,
                              weights=plan.weights or DEFAULT_WEIGHTS, threads=plan.threads,
-                             bands=True, max_band=max(plan.widths))
+                             bands=True, max_band=max(plan.widths), device=plan.device)
         try:
             need = max(max(plan.widths), plan.prompt_tokens or 0)
             text, tokens, repeats = repeat_to(self.worker.tokenize, plan.prompt, need)
@@ -321,6 +321,7 @@ class Plan:
     settings: Settings | None = None  # the environment flags (Settings.from_env()) for every worker
     prompt_tokens: int | None = None  # repeat the prompt to this many tokens (then cut to exactly them)
     decode: int = 0                   # greedy tokens per decode request (0: no decode requests)
+    device: str = "cpu"               # --device of every worker (one GPU: no RPC, no split with the CPU)
 
 
 @dataclass

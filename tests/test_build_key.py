@@ -298,6 +298,10 @@ def test_vulkan_kernels_and_toolchain_change_only_vulkan_keys(repo, monkeypatch)
     assert all(after["vulkan"][f] != before["vulkan"][f] for f in build.FLAVORS)
     flip_byte(repo / "hip_kernels" / "apply_patch.cmake")
     assert keys("vulkan") == after["vulkan"]
+    flip_byte(first_patch(repo, "vulkan_kernels/patches/exact"))  # the exact flavor's kernels: its key alone
+    exact_only = keys("vulkan")
+    assert exact_only["exact"] != after["vulkan"]["exact"] and exact_only["stock"] == after["vulkan"]["stock"]
+    after["vulkan"] = exact_only
     monkeypatch.setattr(build, "vulkan_toolchain", lambda: "shaderc v2024.0|headers 290")
     assert all(keys("vulkan")[f] != after["vulkan"][f] for f in build.FLAVORS)
 

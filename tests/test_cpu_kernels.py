@@ -87,9 +87,13 @@ def _cpu_kwargs(cpu: str) -> dict:
     return {} if cpu == NATIVE else {"cpu": cpu}
 
 
-def compile_harness(flavor: str, out_dir, cpu: str = NATIVE) -> str:
-    kw = _cpu_kwargs(cpu)
+def compile_harness(flavor: str, out_dir, cpu: str = NATIVE, gpu: str = "none") -> str:
+    """invariance.cpp against one build (a CPU variant, or a GPU flavor: tests/test_vulkan.py)."""
+    kw: dict = {"gpu": gpu} if gpu != "none" else _cpu_kwargs(cpu)
     if not build.is_built(flavor, **kw):
+        if gpu != "none":
+            pytest.fail(f"the {flavor} {gpu} llama.cpp library is not built: "
+                        f"run `dflash build --lib {flavor} --gpu {gpu}`")
         if cpu == NATIVE:
             pytest.fail(f"the {flavor} llama.cpp library is not built: run scripts/setup")
         pytest.fail(f"the {flavor} llama.cpp library's {cpu} CPU backend is not built: run `dflash build --cpu {cpu}`")
@@ -97,7 +101,7 @@ def compile_harness(flavor: str, out_dir, cpu: str = NATIVE) -> str:
     if cxx is None:
         pytest.fail("no C++ compiler (apt-get install g++)")
     prefix = build.install_dir(flavor, **kw)
-    exe = out_dir / f"invariance-{flavor}-{cpu}"
+    exe = out_dir / f"invariance-{flavor}-{cpu if gpu == 'none' else gpu}"
     # DT_RPATH (not RUNPATH) also serves libggml's own dependencies (libggml-rpc), which carry no rpath
     r = subprocess.run([cxx, "-O2", "-std=c++17", str(SOURCE), f"-I{prefix / 'include'}", f"-L{prefix / 'lib'}",
                         "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,--disable-new-dtags,-rpath,{prefix / 'lib'}",

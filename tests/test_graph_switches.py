@@ -19,7 +19,8 @@ CITE = re.compile(r"((?:ggml|src)/[\w./-]+\.(?:c|cpp|cu|cuh|h)):(\d+)")
 
 
 def lines_near(rel: str, line: int, radius: int = 3) -> str:
-    text = (SRC / rel).read_text(errors="replace").splitlines()
+    base = REPO_ROOT if (REPO_ROOT / rel.split("/", 1)[0]).is_dir() else SRC  # a patch of this repository
+    text = (base / rel).read_text(errors="replace").splitlines()
     assert 0 < line <= len(text), f"{rel}:{line} is past the end"
     return "\n".join(text[max(0, line - 1 - radius):line + radius])
 
@@ -34,10 +35,11 @@ def test_every_env_switch_is_read_where_the_table_says():
 
 @needs_source
 def test_every_getenv_of_the_pinned_source_and_the_patches_is_listed():
-    dirs = [SRC / "ggml/src/ggml-cpu", SRC / "ggml/src/ggml-cuda", SRC / "src"]
+    dirs = [SRC / "ggml/src/ggml-cpu", SRC / "ggml/src/ggml-cuda", SRC / "ggml/src/ggml-vulkan", SRC / "src"]
     files = [p for d in dirs for p in d.rglob("*") if p.suffix in (".c", ".cpp", ".cu", ".cuh", ".h")]
     files += [p for p in (SRC / "ggml/src").glob("*") if p.suffix in (".c", ".cpp")]
-    for d in ("cpu_kernels/patches", "hip_kernels/patches", "hip_kernels/ggml", "rpc/patches"):
+    for d in ("cpu_kernels/patches", "hip_kernels/patches", "hip_kernels/ggml", "rpc/patches",
+              "vulkan_kernels/patches"):
         files += [p for p in (REPO_ROOT / d).rglob("*") if p.is_file()]
     names = {n for p in files for n in GETENV.findall(p.read_text(errors="replace"))}
     known = ({s.name for s in graph_switches.ENV_SWITCHES} | set(graph_switches.ENV_BY_SETTINGS)

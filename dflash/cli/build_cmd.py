@@ -18,7 +18,8 @@ from .options import Command
                    "(needs nvcc; cuBLAS comes from PyPI; CUDA_ARCHITECTURES, default 90-real: sm_90 code; "
                    "flash-attention kernels left out); --device cuda:N loads it. vulkan: ggml's Vulkan "
                    "backend (needs glslc, libvulkan-dev, spirv-headers: scripts/setup --vulkan installs them); "
-                   "no batch-invariant Vulkan kernels yet (see vulkan_kernels/README.md).")
+                   "the exact flavor routes every product and attention one way at every width "
+                   "(vulkan_kernels/README.md); --device vulkan:N loads it.")
 @click.option("--compile-only", is_flag=True,
               help="With --gpu hip: compile the whole patched ggml-hip for gfx1151 and gfx1201 without ROCm "
                    "(clang 19, HIP headers from the triton wheel) and link it against link stubs; prints the "

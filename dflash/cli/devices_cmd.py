@@ -17,20 +17,24 @@ from .options import Command
 @click.command("devices", cls=Command)
 @click.option("--json", "as_json", is_flag=True)
 def devices_command(as_json: bool) -> None:
-    """List the CPU and every HIP device (name, gfx arch, memory, compute units)."""
+    """List the CPU, every HIP device (name, gfx arch, memory, compute units) and every Vulkan
+    device (name, driver and its version; Mesa's lavapipe included)."""
     hip, reason = devices.hip_devices()
-    devs = [devices.cpu(), *hip]
+    vulkan, vulkan_reason = devices.vulkan_devices()
+    devs = [devices.cpu(), *hip, *vulkan]
     if as_json:
         output.emit_json({"devices": [d.to_json() for d in devs], "hip_available": bool(hip),
-                          "hip_reason": reason})
+                          "hip_reason": reason, "vulkan_available": bool(vulkan), "vulkan_reason": vulkan_reason})
         return
     t = Table("id", "name", "arch", "memory", "compute units")
     for d in devs:
         mem = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "?"
-        t.add_row(d.id, escape(d.name), d.arch, mem, str(d.compute_units))
+        t.add_row(d.id, escape(d.name), escape(d.arch), mem, str(d.compute_units) if d.compute_units else "?")
     output.out.print(t)
     if reason:
         output.out.print(f"HIP: {reason}", highlight=False, markup=False)
+    if vulkan_reason:
+        output.out.print(f"Vulkan: {vulkan_reason}", highlight=False, markup=False)
 
 
 @click.group("kernels")

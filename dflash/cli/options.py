@@ -112,7 +112,8 @@ def device_option(f: F) -> F:
                      help="RPC servers (`dflash rpc-server`) whose devices --device names as rpc:N, "
                           "in this order.")(f)
     return click.option("--device", default="cpu", show_default=True,
-                        help="cpu; hip:N or cuda:N (every layer on that GPU); rpc:N (the N-th device of the "
+                        help="cpu; hip:N, cuda:N or vulkan:N (every layer on that GPU; vulkan:N is the N-th device "
+                             "`vulkaninfo --summary` lists, Mesa's lavapipe included); rpc:N (the N-th device of the "
                              "--rpc servers); several joined by commas split the layers evenly "
                              "(hip:0,hip:1; cpu,rpc:0: the CPU takes the first layers; rpc:0,rpc:1).")(f)
 

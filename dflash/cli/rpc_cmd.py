@@ -37,7 +37,7 @@ def _port_free(host: str, port: int) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=rpc.DEFAULT_PORT, show_default=True)
 @threads_option
 @lib_option
-@click.option("--device", default="cpu", show_default=True, help="The device to serve: cpu, hip:N or cuda:N.")
+@click.option("--device", default="cpu", show_default=True, help="The device to serve: cpu, hip:N, cuda:N or vulkan:N.")
 @click.option("--allow-remote", is_flag=True,
               help="Listen on a non-loopback address. The RPC protocol has no authentication: trusted networks only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object once the server answers.")
@@ -49,7 +49,7 @@ def command(host: str, port: int, threads: int | None, lib: str, device: str, al
     host, warning = rpc.bind_address(host, allow_remote)
     spec = devices.parse_spec(device)
     if len(spec.entries) != 1 or spec.rpc_ids:
-        raise UsageError(f"--device {device!r}: a server serves one local device (cpu, hip:N or cuda:N)")
+        raise UsageError(f"--device {device!r}: a server serves one local device (cpu, hip:N, cuda:N or vulkan:N)")
     s = settings.Settings.from_env(lib=lib)
     for w in s.warnings():
         output.warn(w)
@@ -60,10 +60,11 @@ def command(host: str, port: int, threads: int | None, lib: str, device: str, al
     kind = spec.kind
     build = proofs.build_id(s, kind)
     os.environ[rpc.ENV_BUILD_ID] = rpc.build_id_text(build, s.lib, str(spec))  # before llama.cpp loads
+    index = engine.vulkan_visible(spec.gpu_ids) if kind == "vulkan" else {i: i for i in spec.gpu_ids}
     lib_dir = engine.load_library(s, output.note, gpu="none" if kind == "cpu" else kind, build_missing=True)
     n_threads = threads or min(os.cpu_count() or 1, 8)
     endpoint = rpc.Endpoint(host, port)
-    served = "cpu" if kind == "cpu" else f"gpu:{spec.gpu_ids[0]}"
+    served = "cpu" if kind == "cpu" else f"gpu:{index[spec.gpu_ids[0]]}"
     failure: list[BaseException] = []
 
     def serve() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .. import evidence, provenance, settings, sweep
+from .. import devices, evidence, provenance, settings, sweep
 from ..errors import DflashError, NotExactError, UsageError
 from ..fileio import write_atomic
 from . import output
@@ -33,10 +33,13 @@ from .options import Command, cpu_option, indexer_tile_option, model_option, pro
 @click.option("--plot", "plot_path", default=None, help="Also write the tokens/s-vs-width plot to this PNG.")
 @click.option("--evidence", "evidence_dir", default=None,
               help="Evidence directory to create [default: evidence/runs/sweep-<time>-<id>].")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, hip:N, cuda:N or vulkan:N: every library runs every layer there (each library its "
+                   "build for that device).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, widths: str, libs: str,
             runs: int, warmup: int, prompt_tokens: int | None, decode: int, threads: int | None,
-            plot_path: str | None, evidence_dir: str | None, as_json: bool) -> None:
+            plot_path: str | None, evidence_dir: str | None, device: str, as_json: bool) -> None:
     """Prefill throughput of each library at each fixed band width, rounds interleaved.
 
     The prompt (default: the built-in one) is repeated until it has at least the widest width's
@@ -44,9 +47,11 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
     library's q1 (logits of every position and the response, bit for bit). With --decode N each
     round also times N greedy tokens after the prompt per library (decode tokens/s). Exits 4 (after
     writing the evidence) when a width of the exact library differs from its q1."""
+    if devices.parse_spec(device).rpc_ids:
+        raise UsageError(f"--device {device}: sweep runs local devices only (prefill --rpc runs RPC devices)")
     plan = sweep.Plan(sweep.parse_libs(libs), sweep.parse_widths(widths), runs, warmup,
                       read_prompt(prompt, prompt_file), model, weights, threads, settings.Settings.from_env(),
-                      prompt_tokens, decode)
+                      prompt_tokens, decode, str(devices.parse_spec(device)))
     if plot_path and not Path(plot_path).absolute().parent.is_dir():
         raise UsageError(f"--plot {plot_path}: its folder does not exist")
     dest = Path(evidence_dir) if evidence_dir else provenance.default_evidence_dir("sweep")
@@ -60,7 +65,7 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
         options = {"libs": list(plan.libs), "widths_asked": list(plan.widths), "widths": list(r.widths),
                    "runs": runs, "warmup": warmup, "threads": r.threads, "model": model, "weights": weights,
                    "verify_n_predict": sweep.VERIFY_N_PREDICT, "plot": plot_path, "prompt_tokens": prompt_tokens,
-                   "decode": decode}
+                   "decode": decode, "device": plan.device}
         path, manifest_sha = sweep.write_evidence(writer, sys.argv, options, m, r, png)
     if plot_path:
         try:

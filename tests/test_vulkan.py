@@ -1,0 +1,190 @@
+"""The exact Vulkan flavor on Mesa's lavapipe (a Vulkan driver that runs on the CPU): ggml's Vulkan
+backend executes its shaders here for real, so the exact flavor's routing (vulkan_kernels/patches/
+exact) is checked the way the CPU kernels are.
+
+Op level: cpu_kernels/tests/invariance.cpp with --backend Vulkan0 computes every column (query
+row) alone and inside products of widths 1, 2, 4, 8, 9, 64 and 512; every one must be bit for bit
+its width-1 result. The twins that must fail: the harness's planted bug (--plant), the library's
+planted bug (DFLASH_VK_EXACT=plant: the mat-vec shaders for 2..8 columns again) and llama.cpp's own
+routing in the same build (DFLASH_VK_EXACT=0: mat-vec up to 8 columns, mul_mm beyond, split-K,
+flash attention tuned per batch), the stock twin.
+
+Model level: the tiny DeepSeek-V4 model (MXFP4 preset) on vulkan:0, cache-cold prefills of one
+prompt in fixed-width bands (tests/variant_prefill.py): widths 2..64 over 80 tokens and 512 over
+520 must give q1's logits at every position and q1's response; with DFLASH_VK_EXACT=0, bands of 9
+must not. lavapipe takes about 0.4 s a decode on this model whatever its width (2,759 graph nodes,
+each a dispatch), so q1 over a long prompt is what costs; the other presets, Gemma 3 270M and
+`dflash qualify` are the full run (README, Vulkan), not CI.
+
+Cost: the op-level checks reference every column alone, so width 512 costs 8 times width 64: a
+few checks run to 512, the rest to 64 (about 4 minutes with a cold shader cache).
+
+Needs the exact Vulkan build (`scripts/setup --all` or `--vulkan`) and lavapipe
+(mesa-vulkan-drivers): without them these tests fail, they are never skipped.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash import build, devices
+
+from .conftest import run_dflash
+from .test_cpu_kernels import compile_harness
+
+ROOT = build.REPO_ROOT
+WIDTHS = "1,2,4,8,9,64,512"
+NARROWER = "1,2,4,8,9,64"  # the harness runs every column alone for the reference: 64 costs an eighth of 512
+# (check, widths): the widest checks first; every type, op and attention shape at least to 64
+CHECKS = [(["--type", "q4_0"], WIDTHS), (["--type", "mxfp4"], WIDTHS),
+          (["--type", "q4_K", "--op", "mul_mat_id"], WIDTHS), (["--op", "flash_attn_ext"], WIDTHS),
+          *((["--type", t], NARROWER) for t in ("f32", "f16", "q8_0", "q4_K", "q6_K")),
+          *((["--type", t, "--op", "mul_mat_id"], NARROWER) for t in ("f16", "q4_0", "mxfp4")),
+          *((["--op", "flash_attn_ext", *shape], NARROWER)
+            for shape in (["--ref-view", "256"], ["--holes", "64"], ["--window", "128", "--sinks"], ["--kv", "1100"],
+                          ["--head-dim", "64", "--heads", "4", "--kv-heads", "4"]))]
+# lavapipe is listed by ggml only when named (it skips CPU drivers otherwise): vulkan:0 here
+ENV = {**os.environ, "GGML_VK_VISIBLE_DEVICES": "0"}
+
+
+@pytest.fixture(scope="module")
+def lavapipe():
+    found, reason = devices.vulkan_devices()
+    if not found:
+        pytest.fail(f"no Vulkan device: {reason} (scripts/setup --vulkan installs lavapipe)")
+    assert "llvmpipe" in found[0].arch, f"vulkan:0 is {found[0].name} ({found[0].arch}), not lavapipe"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory, lavapipe):
+    return compile_harness("exact", tmp_path_factory.mktemp("vk"), gpu="vulkan")
+
+
+def run(exe: str, checks: list[list[str]], env: dict | None = None, widths: list[str] | None = None) -> list[dict]:
+    """Each check on Vulkan0 (at `widths[i]`, default WIDTHS) in one process; one summary per check,
+    its width rows under "rows", its widths under "widths_asked"."""
+    widths = widths or [WIDTHS] * len(checks)
+    argv: list[str] = []
+    for i, c in enumerate(checks):
+        argv += (["--then"] if i else []) + ["--backend", "Vulkan0", "--widths", widths[i], *c]
+    r = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=900, env={**ENV, **(env or {})})
+    if r.returncode not in (0, 1):
+        raise AssertionError(f"invariance {' '.join(argv)} crashed (rc={r.returncode}): {r.stderr[-2000:]}")
+    out, rows = [], []
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            x = json.loads(line)
+            if x.get("summary"):
+                out.append({**x, "rows": rows, "args": checks[len(out)],
+                            "widths_asked": [int(w) for w in widths[len(out)].split(",")]})
+                rows = []
+            else:
+                rows.append(x)
+    assert len(out) == len(checks), f"{len(checks)} checks, {len(out)} summaries: {r.stderr[-2000:]}"
+    for s in out:
+        assert s["backend"] == "Vulkan0" and s["buffer"] == "Vulkan0", s
+    return out
+
+
+def differing(s: dict) -> list[int]:
+    return [x["width"] for x in s["rows"] if not x["identical"]]
+
+
+@pytest.fixture(scope="module")
+def exact(harness):
+    return run(harness, [c for c, _ in CHECKS], widths=[w for _, w in CHECKS])
+
+
+def test_every_product_and_attention_row_is_bit_identical_to_width_one(exact):
+    bad = [(s["args"], differing(s)) for s in exact if not s["ok"] or differing(s)]
+    assert not bad, f"not batch-invariant on lavapipe: {bad}"
+    for s in exact:
+        assert [x["width"] for x in s["rows"]] == s["widths_asked"], s["args"]
+        # how close width 1 is to a double-precision product: a diagnostic bound (f16 accumulators
+        # on an fp16 device, as ggml's Vulkan backend chooses), never the verdict
+        assert s["reference_max_rel_err"] < 5e-2, (s["args"], s["reference_max_rel_err"])
+
+
+def test_the_planted_bug_is_caught(harness):
+    """--plant: the wide runs sum K (the cache cells) in another order; every width >= 2 differs."""
+    checks = [["--type", "q4_0", "--plant"], ["--type", "q4_K", "--op", "mul_mat_id", "--plant"],
+              ["--op", "flash_attn_ext", "--plant"]]
+    for s in run(harness, checks, widths=[NARROWER] * len(checks)):
+        assert s["ok"] and s["planted"], s["args"]
+        assert differing(s) == s["widths_asked"][1:], (s["args"], differing(s))
+
+
+def test_llama_cpps_own_routing_is_caught(harness):
+    """The stock twin: DFLASH_VK_EXACT=0 gives the same build llama.cpp's routing back (mat-vec up to
+    8 columns, mul_mm beyond; flash attention tuned per batch), which changes a column's bits with
+    the width."""
+    checks = [["--type", "q4_0"], ["--type", "q4_K", "--op", "mul_mat_id"], ["--op", "flash_attn_ext"]]
+    for s in run(harness, checks, env={"DFLASH_VK_EXACT": "0"}, widths=["1,2,8,9,64"] * len(checks)):
+        assert not s["ok"] and differing(s), s["args"]
+        assert 9 in differing(s) and 1 not in differing(s), (s["args"], differing(s))
+
+
+def test_the_librarys_planted_routing_is_caught(harness):
+    """DFLASH_VK_EXACT=plant: the exact routing with the mat-vec shaders back for 2..8 columns."""
+    (s,) = run(harness, [["--type", "q4_0"]], env={"DFLASH_VK_EXACT": "plant"}, widths=[NARROWER])
+    assert differing(s) == [2, 4, 8], differing(s)
+
+
+def test_a_bad_routing_value_is_one_line(harness):
+    r = subprocess.run([harness, "--backend", "Vulkan0", "--type", "f16", "--widths", "1,2"], capture_output=True,
+                       text=True, timeout=300, env={**ENV, "DFLASH_VK_EXACT": "maybe"})
+    assert r.returncode != 0 and "DFLASH_VK_EXACT=maybe" in r.stderr
+
+
+# ---------------------------------------------------------------- model level
+
+
+def prefill_widths(model, widths: str, tokens: int, env: dict | None = None) -> dict[int, dict]:
+    """Every width's fingerprints (tests/variant_prefill.py: one process, cache-cold runs of the
+    same prompt in fixed-width bands) on vulkan:0."""
+    cmd = [sys.executable, "-m", "tests.variant_prefill", "--device", "vulkan:0", "--lib", "exact", "--widths", widths,
+           "--tokens", str(tokens), "--threads", "2", str(model)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT,
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "GGML_VK_"))},
+                            **(env or {})})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = {}
+    for line in r.stdout.splitlines():
+        d = json.loads(line)
+        assert d["n_tokens"] == tokens and d["library"]["flavor"] == "exact", d
+        assert d["widths_run"][-1] == min(d["width"], tokens), d  # a band of the width was really decoded
+        out[d["width"]] = d
+    assert sorted(out) == sorted(int(w) for w in widths.split(",")), out
+    return out
+
+
+def differing_widths(runs: dict[int, dict]) -> list[int]:
+    q1 = runs[1]
+    return [w for w, d in runs.items()
+            if (d["logits_sha256"], d["response_sha256"]) != (q1["logits_sha256"], q1["response_sha256"])]
+
+
+def test_bands_are_bit_identical_to_q1_on_lavapipe(lavapipe, tiny_models):
+    """Widths 2..64 over 80 tokens (the sliding window of 64 and compressor boundaries crossed), and
+    512 over 520: every position's logits and the response equal q1's. (0.4 s a decode on lavapipe
+    whatever the width: q1 over 520 tokens is most of this test's 5 minutes.)"""
+    model = tiny_models["mxfp4"]
+    assert not differing_widths(prefill_widths(model, "1,2,4,8,9,64", 80))
+    assert not differing_widths(prefill_widths(model, "1,512", 520))
+
+
+def test_llama_cpps_own_routing_differs_at_model_level(lavapipe, tiny_models):
+    """The stock twin at model level: the same build with DFLASH_VK_EXACT=0 changes the logits
+    between q1 and bands of 9 (mul_mm against q1's mat-vec)."""
+    runs = prefill_widths(tiny_models["mxfp4"], "1,9", 40, env={"DFLASH_VK_EXACT": "0"})
+    assert differing_widths(runs) == [9]
+
+
+def test_vulkan_devices_are_listed_and_a_missing_one_exits_3(lavapipe):
+    r = run_dflash("prefill", "--device", "vulkan:7", "--threads", "1")
+    assert r.returncode == 3
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vulkan:7 does not exist (1 Vulkan device(s) present)" in lines[0], lines

@@ -255,6 +255,12 @@ def vulkan_visible(ids: list[int]) -> dict[int, int]:
     return {n: i for i, n in enumerate(sorted(ids))}
 
 
+def gpu_index(spec: devices.DeviceSpec) -> dict[int, int]:
+    """Each GPU id --device names -> its index among the loaded library's devices (call before the
+    load: vulkan:N sets what the Vulkan backend lists, see vulkan_visible)."""
+    return vulkan_visible(spec.gpu_ids) if spec.kind == "vulkan" else {i: i for i in spec.gpu_ids}
+
+
 def list_placement(spec: devices.DeviceSpec, n_layers: int, remote: Remote | None,
                    index: dict[int, int] | None = None) -> dict:
     """Model placement by an explicit device list (RPC devices, the CPU in a split): the CPU keeps
@@ -321,7 +327,7 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     rpc_warnings: list[str] = []
     if remote is not None:  # before the build or the model load: a refused server costs nothing
         rpc_warnings = check_builds(remote.servers, proofs.build_id(settings, kind), remote.allow_mixed_builds)
-    index = vulkan_visible(spec.gpu_ids) if kind == "vulkan" else {i: i for i in spec.gpu_ids}
+    index = gpu_index(spec)
     lib_dir = load_library(settings, log, gpu="none" if kind == "cpu" else kind, build_missing=build_missing)
     if path is None:  # a K-quant built-in model: made by the library just loaded
         path = resolve_model(None, weights)

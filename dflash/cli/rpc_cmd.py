@@ -60,7 +60,7 @@ def command(host: str, port: int, threads: int | None, lib: str, device: str, al
     kind = spec.kind
     build = proofs.build_id(s, kind)
     os.environ[rpc.ENV_BUILD_ID] = rpc.build_id_text(build, s.lib, str(spec))  # before llama.cpp loads
-    index = engine.vulkan_visible(spec.gpu_ids) if kind == "vulkan" else {i: i for i in spec.gpu_ids}
+    index = engine.gpu_index(spec)
     lib_dir = engine.load_library(s, output.note, gpu="none" if kind == "cpu" else kind, build_missing=True)
     n_threads = threads or min(os.cpu_count() or 1, 8)
     endpoint = rpc.Endpoint(host, port)

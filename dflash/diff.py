@@ -1,5 +1,11 @@
 """`dflash diff`: two prefill schedules traced node by node, and the first graph node whose output
-differs (see trace.py for how nodes become per-position rows and how rows are compared)."""
+differs (see trace.py for how nodes become per-position rows and how rows are compared).
+
+A tap sees what the backend computes node by node, and a backend that fuses nodes into one dispatch
+when nothing watches (ggml-vulkan: RMS_NORM+MUL, multi-add, top-k routing, ...) computes otherwise
+untapped. So both schedules also run untapped, and the verdict holds only when each tapped run gave
+its untapped logits and the untapped runs agree too: a difference that only an untapped run shows is
+inside fused work, reported as such (first differing position) and never called identical."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,27 +36,45 @@ def traced_request(eng: Engine, tap: llama.GraphTap, tokens: list[int], bands: l
     return r, trace
 
 
+def untapped_request(eng: Engine, tokens: list[int], bands: list[Band]) -> prefill.RequestOutput:
+    """The same request on a fresh context without a tap: what the backend computes when it may fuse."""
+    ctx = eng.context(eng.context_size(len(tokens), 0, None), max(b.width for b in bands))
+    with ctx:
+        return prefill.run(ctx, prefill.Request(tokens, bands, 0, keep_logits=True), library=str(eng.lib_dir))
+
+
 def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: prefill.RequestOutput,
                 rb: prefill.RequestOutput,
-                d: TraceDiff, show: int, eng: Engine, ignore: str | None = None) -> DiffResult:
+                d: TraceDiff, show: int, eng: Engine, ignore: str | None = None,
+                untapped: tuple[prefill.RequestOutput, prefill.RequestOutput] | None = None) -> DiffResult:
     assert ra.logits is not None and rb.logits is not None  # traced requests keep their logits
     first_pos, n_rows, max_d = first_differing_row(ra.logits, rb.logits)
+    ua, ub = untapped if untapped is not None else (ra, rb)
+    assert ua.logits is not None and ub.logits is not None
     return DiffResult(
         a=DiffSide(spec_a, summarize_widths(wa), len(wa)), b=DiffSide(spec_b, summarize_widths(wb), len(wb)),
         n_tokens=sum(wa), first_diff_position=first_pos, n_positions_differing=n_rows, logits_max_abs_diff=max_d,
         first_node=d.first, n_compared=d.n_compared, node_positions_differing=len(d.positions_differing),
         differing=tuple(d.differing[:show]), n_differing_at_first_position=len(d.differing),
         model=eng.info.path, library=Library(eng.settings.lib, str(eng.lib_dir), eng.settings.cpu), threads=eng.threads,
-        ignore=ignore, devices=eng.placement)
+        ignore=ignore, devices=eng.placement,
+        untapped_first_diff_position=first_differing_row(ua.logits, ub.logits)[0],
+        tap_changed_logits=tuple(name for name, t, u in (("a", ra, ua), ("b", rb, ub))
+                                 if t.logits_sha256 != u.logits_sha256))
 
 
 def run(eng: Engine, tokens: list[int], spec_a: str, spec_b: str, *, ignore: str | None = None, show: int = 10,
         progress: Callable[[int, int], None] = lambda done, total: None) -> DiffResult:
     """Trace schedules `spec_a` and `spec_b` (grammar: bands.SCHEDULE_HELP) over `tokens` on fresh
-    contexts and compare them; the result names the first differing node and position."""
+    contexts and compare them; the result names the first differing node and position. Both also
+    run untapped (see the module's doc)."""
     wa = parse_schedule(spec_a, len(tokens), eng.info.compress_ratios)
     wb = parse_schedule(spec_b, len(tokens), eng.info.compress_ratios)
     tap = llama.GraphTap(lambda name: True)
-    ra, ta = traced_request(eng, tap, tokens, from_widths(wa), 0, lambda d, n: progress(d, 2 * n))
-    rb, tb = traced_request(eng, tap, tokens, from_widths(wb), 0, lambda d, n: progress(n + d, 2 * n))
-    return diff_report(spec_a, spec_b, wa, wb, ra, rb, compare(ta, tb, ignore), show, eng, ignore)
+    ra, ta = traced_request(eng, tap, tokens, from_widths(wa), 0, lambda d, n: progress(d, 3 * n))
+    rb, tb = traced_request(eng, tap, tokens, from_widths(wb), 0, lambda d, n: progress(n + d, 3 * n))
+    ua = untapped_request(eng, tokens, from_widths(wa))
+    progress(5 * len(tokens) // 2, 3 * len(tokens))
+    ub = untapped_request(eng, tokens, from_widths(wb))
+    progress(3 * len(tokens), 3 * len(tokens))
+    return diff_report(spec_a, spec_b, wa, wb, ra, rb, compare(ta, tb, ignore), show, eng, ignore, (ua, ub))

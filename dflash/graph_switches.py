@@ -82,7 +82,7 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("GGML_CUDA_AR_BF16_THRESHOLD", "ggml/src/ggml-cuda/allreduce.cu:435",
               "from which size the all-reduce sends BF16", "gpu"),
     EnvSwitch("DFLASH_VK_EXACT", f"{_VK_EXACT}:16",
-              "0: llama.cpp's own Vulkan routing in the exact build; plant: the planted bug", "gpu"),
+              "0: llama.cpp's own Vulkan routing in the exact build; plant, plant-fusion: planted bugs", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT", f"{_VK}:4060", "Vulkan: no cooperative-matrix shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2", f"{_VK}:4068", "Vulkan: no NV cooperative-matrix-2 shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2_DECODE_VECTOR", f"{_VK}:4072", "Vulkan: another coopmat2 dequant path", "gpu"),

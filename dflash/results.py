@@ -422,6 +422,8 @@ class DiffResult:
     threads: int
     ignore: str | None
     devices: tuple[Json, ...] = ({"id": "cpu"},)
+    untapped_first_diff_position: int | None = None  # of the two schedules run without a tap
+    tap_changed_logits: tuple[str, ...] = ()  # "a"/"b": that schedule's tapped logits differ from its untapped ones
 
     @property
     def logits_identical(self) -> bool:
@@ -432,8 +434,17 @@ class DiffResult:
         return self.first_node is None
 
     @property
+    def untapped_identical(self) -> bool:
+        return self.untapped_first_diff_position is None
+
+    @property
+    def tap_faithful(self) -> bool:
+        """Each tapped run computed its untapped logits: the node comparison describes the real runs."""
+        return not self.tap_changed_logits
+
+    @property
     def identical(self) -> bool:
-        return self.logits_identical and self.nodes_identical
+        return self.logits_identical and self.nodes_identical and self.untapped_identical and self.tap_faithful
 
     def to_json(self) -> Json:
         return {
@@ -447,6 +458,9 @@ class DiffResult:
             "n_differing_at_first_position": self.n_differing_at_first_position,
             "model": self.model, "library": self.library.to_json(), "threads": self.threads, "ignore": self.ignore,
             "devices": [dict(d) for d in self.devices],
+            "untapped_identical": self.untapped_identical,
+            "untapped_first_diff_position": self.untapped_first_diff_position,
+            "tap_faithful": self.tap_faithful, "tap_changed_logits": list(self.tap_changed_logits),
         }
 
 

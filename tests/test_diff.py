@@ -139,6 +139,7 @@ def test_exact_q1_vs_w4_identical(tiny_models):
     d = run_json("diff", "--model", tiny_models["mxfp4"], "--a", "q1", "--b", "w4", "--threads", 1)
     assert d["n_tokens"] == 64 and d["b"]["widths"] == "4x16"
     assert d["identical"] is True and d["logits_identical"] is True and d["first_node"] is None
+    assert d["untapped_identical"] is True and d["tap_faithful"] is True  # the CPU backend fuses nothing
     assert d["n_compared"] > 64 * 100  # every position compared many nodes
 
 

@@ -192,7 +192,8 @@ DIFF = {
     "n_positions_differing": INT, "logits_max_abs_diff": (NUM, NULL), "nodes_identical": BOOL,
     "identical": BOOL, "first_node": (NODE, NULL), "n_compared": INT, "node_positions_differing": INT,
     "differing": [NODE], "n_differing_at_first_position": INT, "model": STR, "library": LIBRARY,
-    "threads": INT, "ignore": (STR, NULL), "devices": [DEVICE],
+    "threads": INT, "ignore": (STR, NULL), "devices": [DEVICE], "untapped_identical": BOOL,
+    "untapped_first_diff_position": (INT, NULL), "tap_faithful": BOOL, "tap_changed_logits": [STR],
 }
 
 MATRIX_ROW = {

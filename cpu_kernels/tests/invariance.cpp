@@ -41,6 +41,14 @@
 // stack of matrices), --threads (of every product; --ref-threads N gives the width-1 reference runs
 // N threads instead, a check of thread-count invariance on top of batch invariance).
 //
+// --op add_rms_norm checks a pattern that backends fuse rather than one op: rms_norm(x + r) * w over
+// rows of --k values (one row a token), built as one graph, so the backend may run the three nodes
+// as one dispatch (ggml-vulkan hands the norm partial sums from the add when a ubatch has one row).
+// Every row alone must equal the same row inside a batch. Rows are f32 (no --type). Its planted twin
+// gives the wide runs' norm another epsilon (1e-5 for 1e-6): a bug of one or two ulps per value, which
+// the check must see. (An order-only plant would not do here: the CPU backend sums each row's
+// squares in double precision, where another order changes nothing.)
+//
 // --list-types prints, as one JSON line, the weight types the CPU backend runs MUL_MAT for here
 // (a to_float, a CPU vec_dot and supports_op accepting the product), the types it refuses with
 // the reason, the types that need an importance matrix, and the extra buffer types it offers
@@ -193,8 +201,8 @@ Options parse(const std::vector<std::string> & args) {
     }
     if (o.ref_threads == 0) o.ref_threads = o.threads;
     if (o.ref_threads != o.threads && o.backend != "cpu") usage("--ref-threads applies to the CPU backend only");
-    if (o.op != "mul_mat" && o.op != "mul_mat_id" && o.op != "flash_attn_ext")
-        usage("--op is mul_mat, mul_mat_id or flash_attn_ext");
+    if (o.op != "mul_mat" && o.op != "mul_mat_id" && o.op != "flash_attn_ext" && o.op != "add_rms_norm")
+        usage("--op is mul_mat, mul_mat_id, flash_attn_ext or add_rms_norm");
     if (o.placement.empty()) usage("--placement is auto, cpu or the name of an extra buffer type (AMX, CPU_REPACK)");
     if (o.imatrix != "auto" && o.imatrix != "on" && o.imatrix != "off") usage("--imatrix is auto, on or off");
     if (o.groups > 1 && o.op != "mul_mat") usage("--groups needs --op mul_mat");
@@ -203,6 +211,10 @@ Options parse(const std::vector<std::string> & args) {
         usage("--src1 is contiguous, strided or broadcast");
     if (o.src1 != "contiguous" && (o.op != "mul_mat" || o.groups > 1))
         usage("--src1 strided|broadcast needs --op mul_mat without --groups");
+    if (o.op == "add_rms_norm") {
+        if (o.type_set && o.type != "f32") usage("--op add_rms_norm runs f32 rows (no --type)");
+        o.type = "f32";
+    }
     if (o.op == "flash_attn_ext") {
         if (!o.type_set) o.type = "f16";
         if (o.head_dim_v == 0) o.head_dim_v = o.head_dim;
@@ -219,6 +231,10 @@ Options parse(const std::vector<std::string> & args) {
 // line before any runs.
 void validate(const Options & o) {
     if (o.list_types) return;
+    if (o.op == "add_rms_norm") {
+        if (o.placement != "auto") usage("--placement applies to mul_mat and mul_mat_id");
+        return;
+    }
     const ggml_type type = parse_type(o.type);
     const int64_t blk = ggml_blck_size(type);
     const bool has_product = type == GGML_TYPE_F32 ||
@@ -869,6 +885,86 @@ int run_flash_attn(const Options & o) {
     return ok ? 0 : 1;
 }
 
+// ---------------------------------------------------------------- ADD + RMS_NORM + MUL
+
+// rms_norm(x + r) * w for n rows of k values, as one graph; rows token-major
+std::vector<float> run_add_rms_norm(Device & on, const Options & o, const float * x, const float * r, const float * w,
+                                    int n, float eps) {
+    ggml_init_params ap = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, true};
+    ggml_context * actx = ggml_init(ap);
+    ggml_tensor * xt = ggml_new_tensor_2d(actx, GGML_TYPE_F32, o.k, n);
+    ggml_tensor * rt = ggml_new_tensor_2d(actx, GGML_TYPE_F32, o.k, n);
+    ggml_tensor * wt = ggml_new_tensor_1d(actx, GGML_TYPE_F32, o.k);
+    ggml_tensor * out = ggml_mul(actx, ggml_rms_norm(actx, ggml_add(actx, xt, rt), eps), wt);
+    ggml_cgraph * gf = ggml_new_graph(actx);
+    ggml_build_forward_expand(gf, out);
+    ggml_backend_buffer_t abuf = ggml_backend_alloc_ctx_tensors(actx, on.backend);
+    ggml_backend_tensor_set(xt, x, 0, ggml_nbytes(xt));
+    ggml_backend_tensor_set(rt, r, 0, ggml_nbytes(rt));
+    ggml_backend_tensor_set(wt, w, 0, ggml_nbytes(wt));
+    if (ggml_backend_graph_compute(on.backend, gf) != GGML_STATUS_SUCCESS) usage("graph compute failed");
+    std::vector<float> y(ggml_nelements(out));
+    ggml_backend_tensor_get(out, y.data(), 0, ggml_nbytes(out));
+    ggml_backend_buffer_free(abuf);
+    ggml_free(actx);
+    return y;
+}
+
+int run_add_rms(const Options & o) {
+    int max_w = 1;
+    for (int w : o.widths) max_w = w > max_w ? w : max_w;
+    const int64_t k = o.k;
+    const float eps = 1e-6f;
+    Device dev(o, o.threads);
+    std::unique_ptr<Device> other_dev(o.ref_threads != o.threads ? new Device(o, o.ref_threads) : nullptr);
+    Device & ref_dev = other_dev ? *other_dev : dev;
+
+    std::mt19937 rng(o.seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> x((size_t) max_w * k), r((size_t) max_w * k), w(k);
+    for (float & v : x) v = nd(rng);
+    for (float & v : r) v = nd(rng);
+    for (float & v : w) v = 1.0f + 0.1f * nd(rng);
+
+    std::vector<float> ref((size_t) max_w * k);
+    for (int j = 0; j < max_w; j++) {
+        std::vector<float> y = run_add_rms_norm(ref_dev, o, &x[(size_t) j * k], &r[(size_t) j * k], w.data(), 1, eps);
+        std::memcpy(&ref[(size_t) j * k], y.data(), k * sizeof(float));
+    }
+    double max_rel = 0.0;  // width 1 against the same arithmetic in double precision
+    for (int j = 0; j < max_w; j++) {
+        if (!reference_token(j)) continue;
+        double ss = 0.0, scale_j = 0.0, err = 0.0;
+        for (int64_t e = 0; e < k; e++) {
+            const double v = (double) x[j * k + e] + (double) r[j * k + e];
+            ss += v * v;
+        }
+        const double inv = 1.0 / std::sqrt(ss / (double) k + (double) eps);
+        for (int64_t e = 0; e < k; e++) {
+            const double want = ((double) x[j * k + e] + (double) r[j * k + e]) * inv * (double) w[e];
+            scale_j = std::fmax(scale_j, std::fabs(want));
+            err = std::fmax(err, std::fabs(want - ref[(size_t) j * k + e]));
+        }
+        max_rel = std::fmax(max_rel, scale_j > 0 ? err / scale_j : err);
+    }
+
+    Tally tally{o, ggml_backend_buft_name(ggml_backend_get_default_buffer_type(dev.backend))};
+    for (int n : o.widths) {
+        const bool planted = o.plant && n > 1;
+        std::vector<float> y = run_add_rms_norm(dev, o, x.data(), r.data(), w.data(), n, planted ? 10 * eps : eps);
+        tally.width(n, planted, y, ref, k);
+    }
+    const bool ok = tally.ok();
+    std::printf("{\"summary\": true, \"type\": \"%s\", \"op\": \"%s\", \"src1\": \"%s\", \"backend\": \"%s\", "
+                "\"buffer\": \"%s\", \"k\": %d, \"m\": %d, \"widths\": %zu, \"widths_differing\": %d, \"planted\": %s, "
+                "\"reference_max_rel_err\": %.3e, \"ok\": %s, \"reference_tokens\": %d, \"threads\": %d, \"ref_threads\": %d, "
+                "\"extra_buffers\": %s}\n",
+                o.type.c_str(), o.op.c_str(), o.src1.c_str(), o.backend.c_str(), tally.buffer.c_str(), o.k, o.k, o.widths.size(),
+                tally.bad_widths, o.plant ? "true" : "false", max_rel, ok ? "true" : "false", reference_tokens(max_w),
+                o.threads, o.ref_threads, json_list(cpu_extra_names()).c_str());
+    return ok ? 0 : 1;
+}
+
 // ---------------------------------------------------------------- --list-types
 
 // Every ggml type the CPU backend runs MUL_MAT and MUL_MAT_ID for with F32 activations: a
@@ -946,7 +1042,8 @@ int main(int argc, char ** argv) {
     if (checks[0].list_types) return list_types();
     int rc = 0;
     for (const Options & o : checks) {
-        if ((o.op == "flash_attn_ext" ? run_flash_attn(o) : run_mul_mat(o)) != 0) rc = 1;
+        const int r = o.op == "flash_attn_ext" ? run_flash_attn(o) : o.op == "add_rms_norm" ? run_add_rms(o) : run_mul_mat(o);
+        if (r != 0) rc = 1;
     }
     return rc;
 }

@@ -56,6 +56,12 @@ def command(model: str | None, weights: str, spec_a: str, spec_b: str, prompt: s
     include masked KV cells, and the DeepSeek-V4 compressor-state gathers hold rows per state
     slot rather than per position, so both can depend on band alignment without reaching any
     output. Read such a node with the logits verdict next to it, or skip it with --ignore.
+
+    A tap makes the backend run nodes one at a time, so work it fuses when untapped (ggml-vulkan
+    fuses norms, adds and routing) is not what the tap sees. Both schedules therefore also run
+    untapped: when those runs differ, or a tapped run's logits are not its untapped run's, the
+    verdict is "differs" with the first untapped position that differs, even when every tapped node
+    agrees (the difference is inside fused work; GGML_VK_DISABLE_FUSION=1 on Vulkan tells).
     Exit code 0 whether or not the schedules differ."""
     if ignore is not None:
         try:
@@ -84,6 +90,15 @@ def _print_human(r: DiffResult) -> None:
     else:
         o.print(f"logits    [red]differ[/red] from position {r.first_diff_position} "
                 f"({r.n_positions_differing} positions, max |Δ| {r.logits_max_abs_diff:.3e})")
+    if r.untapped_identical:
+        o.print("untapped  [green]bit-identical[/green] at every position (no tap: what the backend fuses included)")
+    else:
+        o.print(f"untapped  [red]differ[/red] from position {r.untapped_first_diff_position}"
+                + (" while the tapped runs agree: the difference is inside work the backend fuses when no tap "
+                   "watches, which a node-by-node tap cannot show" if r.logits_identical else ""))
+    if not r.tap_faithful:
+        o.print(f"[yellow]note:[/yellow] the tap changed the logits of schedule {' and '.join(r.tap_changed_logits)} "
+                "(tapped vs untapped run): the node comparison describes the unfused runs, not the real ones")
     f = r.first_node
     if f is None:
         o.print(f"nodes     [green]identical[/green]: no compared node differs "

@@ -3,9 +3,11 @@ differs (see trace.py for how nodes become per-position rows and how rows are co
 
 A tap sees what the backend computes node by node, and a backend that fuses nodes into one dispatch
 when nothing watches (ggml-vulkan: RMS_NORM+MUL, multi-add, top-k routing, ...) computes otherwise
-untapped. So both schedules also run untapped, and the verdict holds only when each tapped run gave
-its untapped logits and the untapped runs agree too: a difference that only an untapped run shows is
-inside fused work, reported as such (first differing position) and never called identical."""
+untapped. So both schedules also run untapped, and "identical" needs the untapped runs to agree
+too: a difference that only the untapped runs show is inside fused work, reported as such (its
+first position) and never called identical. Whether each tapped run reproduced its untapped logits
+is reported as well (tap_faithful): where it did not, the node comparison describes the unfused
+graph."""
 from __future__ import annotations
 
 from collections.abc import Callable

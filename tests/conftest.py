@@ -29,6 +29,9 @@ def _isolate_qualification_records() -> None:
         (real / entry).mkdir(exist_ok=True)
         (tmp / "dflash" / entry).symlink_to(real / entry, target_is_directory=True)
     os.environ["XDG_CACHE_HOME"] = str(tmp)
+    # lavapipe's compiled shaders (Mesa keys them by shader and driver) stay in the user's cache
+    # rather than the temporary one, so a second test run does not compile them all again
+    os.environ.setdefault("MESA_SHADER_CACHE_DIR", str(real.parent))  # Mesa adds mesa_shader_cache/
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
 
 

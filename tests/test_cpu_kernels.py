@@ -617,6 +617,16 @@ def test_stock_flash_attention_is_caught_by_its_split_kv_path(harness):
     assert_invariant(results, widths=len(NARROW.split(",")))
 
 
+@CROSS_VARIANTS  # a pattern other backends fuse (tests/test_vulkan.py); here the CPU backend's own ops
+def test_the_add_norm_pattern_is_invariant_and_its_plant_is_caught(harness):
+    """--op add_rms_norm: rms_norm(x + r) * w as one graph; every row of every width equals the row
+    alone, and the planted twin (the wide runs' norm with another epsilon) differs at every width >= 2."""
+    _, results = run_checks(harness["exact"], ["--op", "add_rms_norm", "--k", 640],
+                            ["--op", "add_rms_norm", "--k", 640, "--plant"])
+    assert_invariant(results[:1])
+    assert_caught(results[1:])
+
+
 # ---------------------------------------------------------------- usage
 
 
@@ -632,8 +642,9 @@ def test_stock_flash_attention_is_caught_by_its_split_kv_path(harness):
     (["--threads", 0], "--threads wants an integer"),
     (["--op", "flash_attn_ext", "--holes", 10, "--plant"], "one at a time"),
     (["--type", "q4_0", "--holes", 10], "apply to flash_attn_ext"),
+    (["--op", "add_rms_norm", "--type", "q4_0"], "runs f32 rows"),
 ], ids=["plant-one-block", "imatrix-off", "no-product", "kv-too-short", "gqa", "used", "list-then", "threads",
-        "holes-plant", "holes-mul-mat"])
+        "holes-plant", "holes-mul-mat", "add-norm-type"])
 def test_usage_errors_exit_2_with_one_line(harness, args, message):
     r = subprocess.run([harness["exact"], *map(str, args)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

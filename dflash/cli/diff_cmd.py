@@ -59,9 +59,10 @@ def command(model: str | None, weights: str, spec_a: str, spec_b: str, prompt: s
 
     A tap makes the backend run nodes one at a time, so work it fuses when untapped (ggml-vulkan
     fuses norms, adds and routing) is not what the tap sees. Both schedules therefore also run
-    untapped: when those runs differ, or a tapped run's logits are not its untapped run's, the
-    verdict is "differs" with the first untapped position that differs, even when every tapped node
-    agrees (the difference is inside fused work; GGML_VK_DISABLE_FUSION=1 on Vulkan tells).
+    untapped: when those runs differ, the verdict is "differs" with the first untapped position
+    that differs, even when every tapped node agrees (the difference is inside fused work;
+    GGML_VK_DISABLE_FUSION=1 on Vulkan tells). When a tapped run's logits are not its untapped
+    run's, the nodes describe the unfused graph, and the output says so.
     Exit code 0 whether or not the schedules differ."""
     if ignore is not None:
         try:

@@ -18,16 +18,23 @@ from .engine import Engine
 from .results import DiffResult, DiffSide, Library
 from .trace import Trace, TraceDiff, add_decode, compare, first_differing_row, new_trace
 
+Progress = Callable[[int, int], None]
+
+
+def _fresh_context(eng: Engine, tokens: list[int], bands: list[Band], n_predict: int,
+                   eval_callback: object = None) -> llama.Context:
+    """A context of its own for one request. A fresh context per schedule means cache cells not
+    yet written (masked, but visible in nodes such as kq) hold the same bytes in both runs rather
+    than the previous run's values."""
+    return eng.context(eng.context_size(len(tokens), n_predict, None), max(b.width for b in bands),
+                       eval_callback=eval_callback)
+
 
 def traced_request(eng: Engine, tap: llama.GraphTap, tokens: list[int], bands: list[Band], n_predict: int,
-                   progress: Callable[[int, int], None] = lambda done, total: None,
+                   progress: Progress = lambda done, total: None,
                    strict: bool = True) -> tuple[prefill.RequestOutput, Trace]:
-    """One request on a fresh context with every band's tapped nodes recorded per position.
-
-    A fresh context per schedule means cache cells not yet written (masked, but visible in
-    nodes such as kq) hold the same bytes in both runs rather than the previous run's values."""
-    ctx = eng.context(eng.context_size(len(tokens), n_predict, None), max(b.width for b in bands),
-                      eval_callback=tap.callback)
+    """One request on a fresh context with every band's tapped nodes recorded per position."""
+    ctx = _fresh_context(eng, tokens, bands, n_predict, tap.callback)
     trace = new_trace(len(tokens))
     with ctx:
         tap.take()
@@ -38,21 +45,21 @@ def traced_request(eng: Engine, tap: llama.GraphTap, tokens: list[int], bands: l
     return r, trace
 
 
-def untapped_request(eng: Engine, tokens: list[int], bands: list[Band]) -> prefill.RequestOutput:
+def untapped_request(eng: Engine, tokens: list[int], bands: list[Band],
+                     progress: Progress = lambda done, total: None) -> prefill.RequestOutput:
     """The same request on a fresh context without a tap: what the backend computes when it may fuse."""
-    ctx = eng.context(eng.context_size(len(tokens), 0, None), max(b.width for b in bands))
-    with ctx:
-        return prefill.run(ctx, prefill.Request(tokens, bands, 0, keep_logits=True), library=str(eng.lib_dir))
+    with _fresh_context(eng, tokens, bands, 0) as ctx:
+        return prefill.run(ctx, prefill.Request(tokens, bands, 0, keep_logits=True), progress,
+                           library=str(eng.lib_dir))
 
 
 def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: prefill.RequestOutput,
                 rb: prefill.RequestOutput,
-                d: TraceDiff, show: int, eng: Engine, ignore: str | None = None,
-                untapped: tuple[prefill.RequestOutput, prefill.RequestOutput] | None = None) -> DiffResult:
-    assert ra.logits is not None and rb.logits is not None  # traced requests keep their logits
+                ua: prefill.RequestOutput, ub: prefill.RequestOutput,
+                d: TraceDiff, show: int, eng: Engine, ignore: str | None = None) -> DiffResult:
+    """`ra`/`rb` the tapped runs, `ua`/`ub` the untapped ones (all keep their logits)."""
+    assert ra.logits is not None and rb.logits is not None and ua.logits is not None and ub.logits is not None
     first_pos, n_rows, max_d = first_differing_row(ra.logits, rb.logits)
-    ua, ub = untapped if untapped is not None else (ra, rb)
-    assert ua.logits is not None and ub.logits is not None
     return DiffResult(
         a=DiffSide(spec_a, summarize_widths(wa), len(wa)), b=DiffSide(spec_b, summarize_widths(wb), len(wb)),
         n_tokens=sum(wa), first_diff_position=first_pos, n_positions_differing=n_rows, logits_max_abs_diff=max_d,
@@ -66,17 +73,18 @@ def diff_report(spec_a: str, spec_b: str, wa: list[int], wb: list[int], ra: pref
 
 
 def run(eng: Engine, tokens: list[int], spec_a: str, spec_b: str, *, ignore: str | None = None, show: int = 10,
-        progress: Callable[[int, int], None] = lambda done, total: None) -> DiffResult:
+        progress: Progress = lambda done, total: None) -> DiffResult:
     """Trace schedules `spec_a` and `spec_b` (grammar: bands.SCHEDULE_HELP) over `tokens` on fresh
     contexts and compare them; the result names the first differing node and position. Both also
     run untapped (see the module's doc)."""
     wa = parse_schedule(spec_a, len(tokens), eng.info.compress_ratios)
     wb = parse_schedule(spec_b, len(tokens), eng.info.compress_ratios)
     tap = llama.GraphTap(lambda name: True)
-    ra, ta = traced_request(eng, tap, tokens, from_widths(wa), 0, lambda d, n: progress(d, 3 * n))
-    rb, tb = traced_request(eng, tap, tokens, from_widths(wb), 0, lambda d, n: progress(n + d, 3 * n))
-    ua = untapped_request(eng, tokens, from_widths(wa))
-    progress(5 * len(tokens) // 2, 3 * len(tokens))
-    ub = untapped_request(eng, tokens, from_widths(wb))
-    progress(3 * len(tokens), 3 * len(tokens))
-    return diff_report(spec_a, spec_b, wa, wb, ra, rb, compare(ta, tb, ignore), show, eng, ignore, (ua, ub))
+    ba, bb = from_widths(wa), from_widths(wb)
+
+    def part(k: int) -> Progress:  # the k-th of the four requests
+        return lambda done, n: progress(k * n + done, 4 * n)
+    ra, ta = traced_request(eng, tap, tokens, ba, 0, part(0))
+    rb, tb = traced_request(eng, tap, tokens, bb, 0, part(1))
+    ua, ub = untapped_request(eng, tokens, ba, part(2)), untapped_request(eng, tokens, bb, part(3))
+    return diff_report(spec_a, spec_b, wa, wb, ra, rb, ua, ub, compare(ta, tb, ignore), show, eng, ignore)

@@ -42,6 +42,20 @@ CLEAN_ENV = (*ENV_FLAGS, ENV_DEBUG, "LLAMA_CPP_LIB_PATH")
 TEST_THREADS = int(os.environ.get("DFLASH_TEST_THREADS", "2"))
 
 
+def host_flags() -> set[str]:
+    """The CPU flags /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(x.split(":", 1)[1].split()) for x in f if x.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# a host with AMX (tile and int8): the native build compiles the AMX kernels and the CPU backend
+# offers the AMX buffer type first (CI and development hosts have been both Sapphire Rapids and Zen 4)
+HOST_HAS_AMX = {"amx_tile", "amx_int8"} <= host_flags()
+
+
 class TinyModels(dict):
     """weights -> path. Presets written by tiny_model alone exist from the start; K-quant presets
     need llama.cpp's quantizer, so they are made on first access by `dflash tiny-model` in a

@@ -122,16 +122,17 @@ def test_every_product_and_attention_row_is_bit_identical_to_width_one(exact):
 
 def test_width_one_is_f32_as_stock_width_one(harness):
     """Each product's width 1 against a double-precision product: the exact flavor's f32 mul_mm
-    (one accumulator over K) and stock's f32 mat-vec (partial sums and a tree) are both within a
-    few 1e-7..1e-6; before the f32 switch the exact flavor's was ~1.5e-2. The figures per type are
-    in the README; the bound here is a diagnostic (a return to f16 accumulation fails it)."""
+    (partials of 32 elements of K added in order) and stock's f32 mat-vec (partial sums and a tree)
+    are both about 1e-7..3e-7 at K 1024; one chain over all of K gave 1.2e-6..1.8e-6, f16
+    accumulation ~1.5e-2. The figures per type are in the README; the bound here is a diagnostic
+    (a return to one chain over K, or to f16, fails it)."""
     checks = [["--type", t] for t in PRECISION_TYPES]
     exact = run(harness, checks, widths=["1"] * len(checks))
     stock = run(harness, checks, env={"DFLASH_VK_EXACT": "0"}, widths=["1"] * len(checks))
     for e, s in zip(exact, stock, strict=True):
         print(e["type"], "exact", e["reference_max_rel_err"], "stock", s["reference_max_rel_err"])
-        assert s["reference_max_rel_err"] < 1e-5, s  # stock's width 1 is f32 mat-vec
-        assert e["reference_max_rel_err"] < 1e-5, e
+        assert s["reference_max_rel_err"] < 1e-6, s  # stock's width 1 is f32 mat-vec
+        assert e["reference_max_rel_err"] < 6e-7, e
 
 
 def test_the_planted_bug_is_caught(harness):

@@ -12,6 +12,7 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -149,9 +150,17 @@ def parse_spec(spec: str) -> DeviceSpec:
     return DeviceSpec(tuple(entries))
 
 
-def device_kind(spec: str) -> str:
-    """'cpu', 'hip', 'cuda' or 'vulkan': the backend of the library a run with this --device loads."""
-    return parse_spec(spec).kind
+def device_kind(spec: str, remote_devices: Sequence[str | None] = ()) -> str:
+    """'cpu', 'hip', 'cuda' or 'vulkan': the backend of the library a run with this --device loads.
+    With no local GPU and RPC servers that all serve a Vulkan device (`remote_devices`: each
+    server's --device, None for one that does not say), the Vulkan build: a client runs the build
+    its servers run (exactness is claimed within one build), and that build holds the CPU and RPC
+    backends as well."""
+    kind = parse_spec(spec).kind
+    if kind == "cpu" and remote_devices and all(d is not None and parse_spec(d).kind == "vulkan"
+                                                for d in remote_devices):
+        return "vulkan"
+    return kind
 
 
 def parse_device(spec: str) -> list[int]:

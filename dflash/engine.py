@@ -192,9 +192,22 @@ class Engine:
         on_cpu = spec.kind == "cpu" and (self.remote is None or self.remote.all_cpu)
         return None if on_cpu else False
 
+    @property
+    def op_offload(self) -> bool | None:
+        """llama.cpp's op offload (None: its default, on) for the stock library; off for the exact
+        library whenever another device than the CPU takes part. With it on, ggml's
+        scheduler moves an op whose weights live in CPU memory to a GPU once the op has enough rows
+        (ggml-vulkan: 32, GGML_OP_OFFLOAD_MIN_BATCH; rows of any op, so a band of 9 tokens over 4
+        heads already qualifies): the CPU layers' products would then run on the CPU for narrow
+        bands and on the GPU for wide ones, another kernel with other bits (measured: a
+        cpu,vulkan:0 split differed from q1 at bands of 9 and 64 with it on)."""
+        if self.settings.lib != "exact":
+            return None
+        return None if devices.parse_spec(self.device).entries == ("cpu",) else False
+
     def context(self, n_ctx: int, max_band: int, eval_callback: object = None) -> llama.Context:
         return llama.Context(self.model, n_ctx, self.threads, flash_attn=self.flash_attn,
-                             max_band=max_band, eval_callback=eval_callback)
+                             max_band=max_band, eval_callback=eval_callback, op_offload=self.op_offload)
 
     def plan(self, n_tokens: int, start: int = 0, cap: int | None = None,
              bands_on: bool | None = None) -> list[bands.Band]:
@@ -319,7 +332,7 @@ def open_engine(settings: Settings, model_path: str | None = None, *, threads: i
     spec = devices.parse_spec(device)
     if spec.rpc_ids and remote is None:
         raise UsageError(f"{arg('device')} {spec} needs {arg('rpc')} HOST:PORT (the server serving rpc:N)")
-    kind = spec.kind
+    kind = devices.device_kind(device, [sv.device for sv in remote.servers] if remote is not None else ())
     gpus = devices.require_gpu(device)  # exit 3 with the reason, before any build or load
     archs = tuple(d.arch for d in gpus)
     if threads is not None and not 1 <= threads <= MAX_THREADS:

@@ -414,8 +414,10 @@ class Context:
     """One sequence's context. `decode` runs one llama_decode over one band."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, *, flash_attn: bool | None = False,
-                 max_band: int = 512, eval_callback: object = None, swa_full: bool = True) -> None:
-        # eval_callback: a ggml_backend_sched_eval_callback (GraphTap.callback), or None
+                 max_band: int = 512, eval_callback: object = None, swa_full: bool = True,
+                 op_offload: bool | None = None) -> None:
+        # eval_callback: a ggml_backend_sched_eval_callback (GraphTap.callback), or None;
+        # op_offload: None keeps llama.cpp's default (on)
         L = _lib()
         self.model = model
         cp = L.llama_context_default_params()
@@ -433,6 +435,8 @@ class Context:
         # ring of n_swa + n_ubatch cells (src/llama-kv-cache-iswa.cpp:73), so its contents, and which
         # positions a band sees, would depend on the width (see dflash/proofs.py, kv_cache)
         cp.swa_full = swa_full
+        if op_offload is not None:
+            cp.op_offload = op_offload
         if eval_callback is not None:
             cp.cb_eval = eval_callback
             cp.cb_eval_user_data = None

@@ -20,9 +20,9 @@ The identity, and `key` derived from all of it:
   library   the flavor, the CPU build variant (`cpu`: native, avx512, avx512-noamx, avx2), and
             source "build" (key: dflash.build.build_key of flavor, GPU backend and variant, which
             hashes the host's CPU flags) or "dir" (key: SHA-256 over the libllama*/libggml* files of
-            DFLASH_LLAMA_LIB_DIR). On a GPU the key also covers the routing flags
-            DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS, and DFLASH_DS4_INDEXER_SHORTCUT when it is not
-            on; plain CPU buffers (--no-repack) and the RPC servers' builds enter it too.
+            DFLASH_LLAMA_LIB_DIR). On HIP and CUDA the key also covers the routing flags
+            DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS; on every device DFLASH_DS4_INDEXER_SHORTCUT
+            when it is not on; plain CPU buffers (--no-repack) and the RPC servers' builds enter it too.
   model     the GGUF's SHA-256.  device  the canonical --device.
   runtime   cpu_buffer_types: the extra buffer types the library's CPU device offered the run
             (llama.cpu_extra_buffer_types; null when the CPU holds no weights in them: plain
@@ -402,14 +402,15 @@ def device_name(device: str) -> str:
 
 def library_key(settings: Settings, kind: str = "cpu") -> tuple[str, str]:
     """(source, key) of the library a run loads: "build" and dflash.build.build_key of the flavor,
-    GPU backend and CPU variant, or "dir" and dir_key of DFLASH_LLAMA_LIB_DIR. On a GPU the key also
-    covers the routing flags (they decide which kernels run there)."""
+    GPU backend and CPU variant, or "dir" and dir_key of DFLASH_LLAMA_LIB_DIR. On HIP and CUDA the
+    key also covers the narrow-MMVQ routing flags (they decide which kernels run there)."""
     if settings.lib_dir:
         source, key = "dir", dir_key(Path(settings.lib_dir))
     else:  # a GPU run loads that backend's build of the flavor (its CPU backend is the native one)
         gpu = "none" if kind == "cpu" else kind
         source, key = "build", build.build_key(settings.lib, gpu, cpu_variant(settings, kind))
-    if kind != "cpu":  # on a GPU the library's routing flags decide which kernels run: part of the key
+    if kind in ("hip", "cuda"):  # the narrow-MMVQ routing flags decide which kernels run there: part of
+        # the key (ggml-vulkan reads neither; its routing switches are kernel switches, see graph_switches)
         routing = f"{key}|narrow={int(settings.narrow)}|ncols={settings.mmvq_max_ncols}"
         key = hashlib.sha256(routing.encode()).hexdigest()[:16]
     if settings.indexer_shortcut != "on":  # another graph (off), or a planted bug (force): not vouched for
@@ -481,7 +482,7 @@ def identity(settings: Settings, model_path: str | os.PathLike[str], device: str
     weights in them (plain buffers, or no layer on the CPU). `env`: the process environment
     llama.cpp reads its kernel switches from (default os.environ)."""
     from .provenance import file_sha256  # records imports the engine; keep this module light
-    kind = devices.device_kind(device)
+    kind = devices.device_kind(device, [sv.device for sv in remote.servers] if remote is not None else ())
     source, key = library_key(settings, kind)
     # the CPU's extra buffer types serve its layers' weights: none with plain buffers, none when
     # every layer is on other devices (hip:N, a GPU split, rpc:N)

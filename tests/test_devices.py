@@ -15,6 +15,17 @@ def test_device_specs(spec, kind, ids):
     assert proofs.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
 
 
+def test_a_client_of_vulkan_rpc_servers_loads_the_vulkan_build():
+    """Every RPC server serves a Vulkan device: the client runs that build too (one build on both
+    ends); a CPU server among them, a server that does not say, or a local GPU keep their kind."""
+    assert devices.device_kind("rpc:0", ["vulkan:0"]) == "vulkan"
+    assert devices.device_kind("cpu,rpc:0,rpc:1", ["vulkan:0", "vulkan:1"]) == "vulkan"
+    assert devices.device_kind("rpc:0,rpc:1", ["vulkan:0", "cpu"]) == "cpu"
+    assert devices.device_kind("rpc:0", [None]) == "cpu"
+    assert devices.device_kind("rpc:0", []) == "cpu"
+    assert devices.device_kind("hip:0,rpc:0", ["vulkan:0"]) == "hip"
+
+
 @pytest.mark.parametrize("spec", ["gpu:0", "hip:0,cuda:1", "cuda:x", "cuda:0,cuda:0", "hip:", "rpc:x",
                                   "cuda", "hip", "vulkan", "vulkan:0,hip:0", "vulkan:-1"])
 def test_bad_device_specs_are_usage_errors(spec):

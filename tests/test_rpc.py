@@ -243,11 +243,11 @@ def _free_port() -> int:
 class Server:
     """A `dflash rpc-server` process on loopback (its own session: a test can kill it outright)."""
 
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None):
         self.port = _free_port()
         self.endpoint = f"{LOOPBACK}:{self.port}"
         self.log = tmp / f"rpc-server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
+        env = {**{k: v for k, v in os.environ.items() if k not in CLEAN_ENV}, **(env or {})}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dflash", "rpc-server", "--host", LOOPBACK, "--port", str(self.port),

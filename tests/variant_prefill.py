@@ -37,7 +37,8 @@ def main() -> None:
                               ctx=len(tokens) + N_PREDICT)
                 print(json.dumps({"model": model, "width": w, "n_tokens": len(tokens), "library": r.library.to_json(),
                                   "widths_run": sorted(set(r.widths)), "logits_sha256": r.logits_sha256,
-                                  "response_sha256": r.response_sha256}), flush=True)
+                                  "response_sha256": r.response_sha256,
+                                  "devices": [d["id"] for d in r.devices]}), flush=True)
 
 
 if __name__ == "__main__":

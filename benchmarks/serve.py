@@ -31,6 +31,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,13 +156,15 @@ def bench(libs: list[str], a: argparse.Namespace) -> list[list[dict]]:
     with contextlib.ExitStack() as stack:
         urls, meta = {}, {}
         for lib in libs:
-            target = ds.target(a.model, lib=lib, extra=a.extra, settings=settings.Settings.from_env(lib=lib),
-                               build_missing=True, log=lambda s, lib=lib: print(f"[{lib}] {s}", file=sys.stderr))
-            urls[lib] = stack.enter_context(target.server(config)).url
+            target = ds.target(a.model, lib=lib, device=a.device, extra=a.extra,
+                               settings=settings.Settings.from_env(lib=lib), build_missing=True,
+                               log=lambda s, lib=lib: print(f"[{lib}] {s}", file=sys.stderr))
+            lib_config = replace(config, flash_attn=target.flash_attn)  # as dflash serve runs each library
+            urls[lib] = stack.enter_context(target.server(lib_config)).url
             wl.send(urls[lib], wl.Call("warm", wl.COMPLETIONS, {"prompt": "warm up", "max_tokens": 4,
                                                                  "temperature": 0}))
-            meta[lib] = {"config": config.to_json(), "fingerprint": target.check.fingerprint,
-                         "model": target.check.model}
+            meta[lib] = {"config": lib_config.to_json(), "device": target.check.device_label,
+                         "fingerprint": target.check.fingerprint, "model": target.check.model}
         return [[{**res, **meta[res["lib"]]} for res in bench_round(libs, urls, r, a)] for r in range(a.rounds)]
 
 
@@ -212,6 +215,7 @@ def main() -> None:
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or vulkan:N (what dflash serve --device takes)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="rounds (new prompts each; library order alternating)")
     ap.add_argument("--probe-only", action="store_true", help="only the cache-hit probe (no load rows)")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import build, engine, gguf_meta, proofs, serve_record, server, serving, tiny_model
+from . import build, devices, engine, gguf_meta, proofs, serve_record, server, serving, tiny_model
 from . import serve_workload as workload
 from .errors import LibraryNotBuilt, UsageError, arg
 from .provenance import default_evidence_dir, file_sha256
@@ -28,6 +28,9 @@ from .settings import AUTO, FIXED, Settings
 
 Say = Callable[[str], None]
 MAX_BODY_BYTES = 16 << 20  # the largest request body llama-server accepts from dflash serve (413 above)
+# llama-server reads any of its options from LLAMA_ARG_* variables: none reach it from the caller's
+# environment (dflash sets what it runs on the command line)
+_SERVER_ENV_OPTIONS = ("LLAMA_ARG_",)
 
 __all__ = ["ServeTarget", "choose_config", "qualify", "target"]
 
@@ -49,7 +52,11 @@ class ServeTarget:
     @property
     def identity(self) -> serve_record.Identity:
         return serve_record.Identity(self.check.flavor, self.check.build_id, self.check.model_sha256,
-                                     self.check.device)
+                                     self.check.device_label)
+
+    @property
+    def flash_attn(self) -> str:
+        return serving.flash_attn_for(self.check.device, self.check.flavor)
 
     @property
     def record_path(self) -> Path:
@@ -66,28 +73,44 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
            build_missing: bool = False, log: Say = _quiet) -> ServeTarget:
     """What `dflash serve` runs: llama-server (built with build_missing, else LibraryNotBuilt) on
     the flavor's library, the model (the built-in tiny one when None) and its SHA-256."""
-    if device != "cpu":
-        raise UsageError(f"{arg('device')} {device!r}: dflash serve runs on the CPU for now (GPU serving is not "
-                         f"wired up yet)")
+    spec = devices.parse_spec(device)
+    if spec.entries != ("cpu",) and not (spec.kind == "vulkan" and len(spec.entries) == 1):
+        raise UsageError(f"{arg('device')} {device!r}: dflash serve runs on the CPU or on one Vulkan device "
+                         f"(vulkan:N); HIP, CUDA, RPC and layer splits are not wired up for serving yet")
+    kind = spec.kind
+    gpus = devices.require_gpu(str(spec))  # exit 3 with the reason, before any build
+    label = " ".join([str(spec), *(f"{d.name} / {d.arch}" for d in gpus)])
     s = settings or Settings.from_env({}, lib=lib)
     if not build_missing and not build.server_built():
         raise LibraryNotBuilt("llama-server is not built yet: run `dflash build --server` (several minutes, once), "
                               "or pass build_missing=True")
-    lib_dir = engine.library_dir(s, log, build_missing=build_missing)
+    gpu = "none" if kind == "cpu" else kind
+    lib_dir = engine.library_dir(s, log, gpu, build_missing=build_missing)
     binary = build.build_server(log=log)
     if model is None and tiny_model.needs_quantizer(weights):
-        engine.load_library(s, log, build_missing=build_missing)  # its quantizer writes the preset
+        engine.gpu_index(spec)  # what a Vulkan library lists is fixed when it loads
+        engine.load_library(s, log, gpu, build_missing=build_missing)  # its quantizer writes the preset
     path = engine.resolve_model(model, weights)
     if model is not None:
         proofs.model_file(model, weights)  # a readable GGUF, or a one-line error
-    _, library_key = proofs.library_key(s)
+    _, library_key = proofs.library_key(s, kind)
     check = Target(str(binary), str(lib_dir), str(path), lib, library_key, build.server_key(),
-                   file_sha256(str(path)), device, tuple(extra))
-    env = {**os.environ, **s.library_env(), **build.server_env(lib, lib_dir=lib_dir),
-           "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint, "DFLASH_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
+                   file_sha256(str(path)), str(spec), tuple(extra), label)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SERVER_ENV_OPTIONS)}
+    env.update({**s.library_env(), **build.server_env(lib, gpu, lib_dir=lib_dir),
+                "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint, "DFLASH_MAX_BODY_BYTES": str(MAX_BODY_BYTES)})
+    if kind == "vulkan":
+        env["GGML_VK_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_ids)
     env.pop(serving.CHECKPOINT_ENV, None)
     every = serving.checkpoint_every(gguf_meta.read(path).compress_ratios)
-    if every:
+    if every and kind == "vulkan":
+        # a DeepSeek-V4 context restored from a checkpoint on ggml-vulkan computes the next tokens
+        # with other bits than the run that made the checkpoint (measured on lavapipe: the same
+        # 4 tokens after restoring the state at 69 of a 73-token prompt; identical on the CPU, cause
+        # not found): no checkpoints and no RAM prompt cache (it restores saved states too), so a
+        # request re-evaluates its whole prompt
+        check = replace(check, checkpoints=False)
+    elif every:
         env[serving.CHECKPOINT_ENV] = str(every)
     return ServeTarget(check, s, weights, model, env)
 
@@ -121,7 +144,7 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
         if fits:
             base = fits[-1].config
         else:
-            base = serving.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads)
+            base = serving.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads, t.flash_attn)
     config = replace(base, ctx=ctx, threads=threads)
     entry = serve_record.find(record, config)
     if entry is None and not allow_inexact:
@@ -145,9 +168,10 @@ def qualify(t: ServeTarget, parallels: Sequence[int], ubatch: int, ctx: int, thr
             argv: list[str] | None = None, log: Say = _quiet, log_line: Say = _quiet) -> ServeQualifyResult:
     """Run the serve qualification (dflash/serve_check.py) for each --parallel value; dflash prefill
     runs in this process on the same flavor's library."""
-    configs = [serving.ServeConfig(p, ubatch, ctx, threads) for p in parallels]
+    configs = [serving.ServeConfig(p, ubatch, ctx, threads, t.flash_attn) for p in parallels]
     out = Path(evidence_dir) if evidence_dir else default_evidence_dir("serve-qualify")
-    with Session(t.given_model, weights=t.weights, lib=t.check.flavor, threads=threads, bands=False,
+    with Session(t.given_model, weights=t.weights, lib=t.check.flavor, device=t.check.device, threads=threads,
+                 bands=False,
                  settings=t.settings, build=True, log=log) as session:
         return qualify_serve(t.check, configs, shape, prefill_with(session), out, argv, log, log_line,
                              env=t.env)

@@ -39,10 +39,13 @@ class Target:
     model_sha256: str
     device: str = "cpu"
     extra: tuple[str, ...] = ()
+    device_label: str = "cpu"  # the device and, for a GPU, its name and driver (what records and fingerprints key)
+    checkpoints: bool = True   # False: llama-server restores no saved state (no checkpoints, no RAM cache; last)
 
     @property
     def fingerprint(self) -> str:
-        return serving.fingerprint(self.flavor, self.library_key, self.server_key, self.model_sha256)
+        return serving.fingerprint(self.flavor, self.library_key, self.server_key, self.model_sha256,
+                                   self.device_label)
 
     @property
     def build_id(self) -> str:
@@ -51,7 +54,9 @@ class Target:
 
     def argv(self, config: serving.ServeConfig, host: str, port: int) -> list[str]:
         return [self.binary, "-m", self.model, "--host", host, "--port", str(port), "--alias", Path(self.model).stem,
-                "--no-webui", "--metrics", *config.args(), *self.extra]
+                "--no-webui", "--metrics", *config.args(),
+                *serving.device_args(self.device, self.flavor), *self.extra,
+                *([] if self.checkpoints else ["--ctx-checkpoints", "0", "--cache-ram", "0"])]
 
     def make_server(self, config: serving.ServeConfig, env: Mapping[str, str], host: str = "127.0.0.1",
                port: int | None = None, api_key: str | None = None, log_line: Say = lambda s: None) -> server.Server:
@@ -209,7 +214,8 @@ def qualify_serve(target: Target, configs: Sequence[serving.ServeConfig], shape:
         ev.write_json("target.json", {"binary": target.binary, "lib_dir": target.lib_dir, "model": target.model,
                                       "flavor": target.flavor, "library_key": target.library_key,
                                       "server_key": target.server_key, "model_sha256": target.model_sha256,
-                                      "device": target.device, "extra": list(target.extra),
+                                      "device": target.device, "device_label": target.device_label,
+                                      "extra": list(target.extra),
                                       "system_fingerprint": target.fingerprint, "argv": argv})
         ev.write_json("solo.json", {k: r.to_json() for k, r in solo.items()})
         ev.write_json("prefill.json", {k: {"prompt_tokens": ids[k], "prompt_sha256": p.prompt_sha256,
@@ -221,7 +227,7 @@ def qualify_serve(target: Target, configs: Sequence[serving.ServeConfig], shape:
                 "responses": [r.to_json() for r in run.responses]})
         ev.write_json("verdicts.json", [c.to_json() for c in results])
         final, manifest = ev.commit()
-    identity = serve_record.Identity(target.flavor, target.build_id, target.model_sha256, target.device)
+    identity = serve_record.Identity(target.flavor, target.build_id, target.model_sha256, target.device_label)
     record = serve_record.save(identity, target.model, [c.entry(str(final)) for c in results])
     return ServeQualifyResult(target.flavor, target.model, target.fingerprint, results,
                               str(serve_record.record_path(record.identity)), str(final), manifest)

@@ -3,7 +3,7 @@ server build, model and device. One file per identity, <cache_root()>/qualificat
 
     {"schema": "dflash.serve-qualification", "schema_version": 1, "key": "<24 hex>",
      "server": {"flavor": "exact", "key": "<server build key>"}, "model": {"sha256": "<64 hex>", "path": "..."},
-     "device": "cpu", "updated_utc": "...Z",
+     "device": "cpu", "updated_utc": "...Z",        (a GPU: "vulkan:0 <its name> / <its driver>")
      "configs": [{"config": {"parallel": 4, "ubatch": 512, "ctx": 4096, "threads": 2, "flash_attn": "auto",
                              "kv_unified": false},
                   "responses": 13, "identical_to_solo": 13, "identical_to_prefill": 13, "cache_hits": 5,

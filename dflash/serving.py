@@ -13,6 +13,9 @@ options below. What they pin, and why:
                   attention visits a sequence's cells depends on the others)
   -fa auto|off    flash attention as the exact library expects it (CPU: llama.cpp's choice, every
                   query row by the exact library's batch-invariant kernel; GPU: off)
+  -dev Vulkan0 -ngl 999 --no-op-offload (vulkan:N only)
+                  every layer on the one Vulkan device the server is shown (GGML_VK_VISIBLE_DEVICES=N),
+                  no op offload (the placement dflash prefill runs; Engine.op_offload says why)
   --no-context-shift, --cache-reuse 0
                   no KV shifting: a shifted cache is not the cache a cold run computes
   --fit off       the context and batch sizes are the ones given, never adjusted to free memory
@@ -54,7 +57,7 @@ MANAGED: dict[str, str] = {
     **dict.fromkeys(("-b", "--batch-size", "-ub", "--ubatch-size"), "--ubatch"),
     **dict.fromkeys(("-fa", "--flash-attn"), "--device (flash attention follows it)"),
     **dict.fromkeys(("-dev", "--device", "-ngl", "--gpu-layers", "--n-gpu-layers", "-sm", "--split-mode",
-                     "-ts", "--tensor-split", "-mg", "--main-gpu"), "--device"),
+                     "-ts", "--tensor-split", "-mg", "--main-gpu", "--op-offload", "--no-op-offload"), "--device"),
     **dict.fromkeys(("--rpc",), "--rpc"),
     **dict.fromkeys(("--api-key", "--api-key-file"), "--api-key"),
     **dict.fromkeys(("-a", "--alias"), "--alias"),
@@ -173,10 +176,31 @@ def bind_address(host: str, allow_remote: bool, api_key: str | None) -> tuple[st
                        f"connection is not encrypted; serve a trusted network, or put TLS in front")
 
 
-def fingerprint(flavor: str, library_key: str, server_key: str, model_sha256: str) -> str:
+def fingerprint(flavor: str, library_key: str, server_key: str, model_sha256: str, device_label: str = "cpu") -> str:
     """The system_fingerprint every response carries: the library (flavor and build key), the
-    llama-server build and the model."""
-    return f"dflash-{flavor}-{library_key}-server-{server_key[:8]}-model-{model_sha256[:16]}"
+    device when it is not the CPU (its id and a hash of its name and driver, which compiles the
+    shaders), the llama-server build and the model."""
+    device = ""
+    if device_label != "cpu":
+        dev_id, _, about = device_label.partition(" ")
+        device = f"-{dev_id.replace(':', '')}-{hashlib.sha256(about.encode()).hexdigest()[:8]}"
+    return f"dflash-{flavor}-{library_key}{device}-server-{server_key[:8]}-model-{model_sha256[:16]}"
+
+
+def device_args(device: str, flavor: str) -> list[str]:
+    """llama-server's placement options for a --device dflash serve runs on: none for the CPU; for
+    one Vulkan device (shown to the server as its only one, GGML_VK_VISIBLE_DEVICES) every layer on
+    it, and for the exact library llama.cpp's op offload off, as in dflash prefill (see
+    Engine.op_offload)."""
+    if device == "cpu":
+        return []
+    return ["-dev", "Vulkan0", "-ngl", "999", *(["--no-op-offload"] if flavor == "exact" else [])]
+
+
+def flash_attn_for(device: str, flavor: str) -> str:
+    """-fa as dflash prefill runs it (Engine.flash_attn): llama.cpp's choice on the CPU and for the
+    stock library; off for the exact library on a GPU."""
+    return "off" if flavor == "exact" and device != "cpu" else "auto"
 
 
 def config_key(parts: Sequence[str]) -> str:

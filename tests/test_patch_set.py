@@ -67,15 +67,19 @@ def test_a_patch_that_does_not_fit_is_a_fatal_error(tmp_path):
 
 @pytest.mark.skipif(not shutil.which("cmake"), reason="no cmake")
 def test_the_vulkan_patch_set_fits_the_pinned_source(tmp_path):
-    """vulkan_kernels/apply_patches.cmake on a copy of the pinned ggml-vulkan.cpp: the common patch
+    """vulkan_kernels/apply_patches.cmake on a copy of the pinned files it patches: the common patch
     lands (the layer-settings block is guarded for Vulkan headers without VK_EXT_layer_settings),
     and a second run leaves the file as it is."""
     from dflash import build
     src = build.source_dir() / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
     tree = tmp_path / "llama.cpp"
     dst = tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
-    dst.parent.mkdir(parents=True)
-    shutil.copy2(src, dst)
+    touched = {line[6:].strip() for p in (ROOT / "vulkan_kernels" / "patches").rglob("*.patch")
+               for line in p.read_text().splitlines() if line.startswith("+++ b/")}
+    assert "ggml/src/ggml-vulkan/ggml-vulkan.cpp" in touched, touched
+    for rel in touched:  # every file a patch of the set edits (ggml-vulkan.cpp, shaders)
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build.source_dir() / rel, tree / rel)
     cmd = ["cmake", f"-DSRC={tree}", "-DFLAVOR=exact", f"-DPATCH_DIR={ROOT / 'vulkan_kernels'}", "-P",
            str(ROOT / "vulkan_kernels" / "apply_patches.cmake")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

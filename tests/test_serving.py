@@ -47,6 +47,30 @@ def test_vouching_ignores_ctx_and_threads_only():
         assert not base.vouched_by(other)
 
 
+def test_a_vulkan_device_puts_every_layer_on_it_without_flash_attention_or_op_offload():
+    assert serving.device_args("cpu", "exact") == [] and serving.flash_attn_for("cpu", "exact") == "auto"
+    a = serving.device_args("vulkan:1", "exact")  # the server is shown vulkan:1 alone: its Vulkan0
+    assert a[a.index("-dev") + 1] == "Vulkan0" and a[a.index("-ngl") + 1] == "999" and "--no-op-offload" in a
+    assert serving.flash_attn_for("vulkan:1", "exact") == "off"
+    assert "--no-op-offload" not in serving.device_args("vulkan:0", "stock")  # stock: llama.cpp's defaults
+    assert serving.flash_attn_for("vulkan:0", "stock") == "auto"
+
+
+def test_the_fingerprint_names_a_gpu_and_its_driver_and_leaves_cpu_ones_as_they_were():
+    cpu = serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64)
+    assert cpu == serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "cpu")
+    assert cpu == f"dflash-exact-{'k' * 16}-server-{'s' * 8}-model-{'m' * 16}"
+    lvp = serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "vulkan:0 llvmpipe / llvmpipe Mesa 22.3.6")
+    radv = serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "vulkan:0 AMD Radeon / radv Mesa 25.0.7")
+    assert "-vulkan0-" in lvp and lvp != radv and lvp != cpu
+
+
+@pytest.mark.parametrize("option", ["--no-op-offload", "--op-offload", "-dev", "-ngl"])
+def test_placement_options_are_dflashs(option):
+    with pytest.raises(UsageError, match="--device"):
+        serving.check_extra([option], allow_inexact=True)
+
+
 @pytest.mark.parametrize("extra, word", [(["-np", "8"], "--parallel"), (["--ubatch-size=32"], "--ubatch"),
                                          (["--kv-unified"], "pins"), (["--api-key", "k"], "--api-key"),
                                          (["-m", "x.gguf"], "--model"), (["--port", "1"], "--port")])

@@ -38,7 +38,7 @@ import sys
 
 import pytest
 
-from dflash import build, devices
+from dflash import build, devices, server
 
 from .conftest import run_dflash, run_json
 from .test_cpu_kernels import compile_harness
@@ -327,3 +327,65 @@ def test_vulkan_devices_are_listed_and_a_missing_one_exits_3(lavapipe):
     assert r.returncode == 3
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "vulkan:7 does not exist (1 Vulkan device(s) present)" in lines[0], lines
+
+
+
+SERVE_ARGS = ("--threads", "2", "--max-tokens", "4", "--prefix-words", "16", "--ctx", "512", "--json", "--",
+              "--chat-template", "chatml")
+SERVE_PROMPT = ("Exact serving on a GPU: every response equals the same request run alone and cold, one "
+                "token per step, on the same device and driver, bit for bit, from prompt to last token.")
+
+
+def test_serving_on_vulkan_is_identical_to_solo_cold_runs_and_q1(lavapipe):
+    """`dflash qualify --serve --device vulkan:0` on the tiny DeepSeek-V4 model: llama-server on the
+    exact Vulkan build, every layer on lavapipe, one and two slots with prompts in ubatches of 16
+    (the s tile), every response identical to its solo cold run and to dflash prefill (q1) on the
+    same device. (Before dflash turned context checkpoints off here, this check caught the repeat
+    of a 73-token prompt, restored from a checkpoint at 69, differing from its cold run.) The twin
+    is the next test's planted server."""
+    r = run_dflash("qualify", "--serve", "--device", "vulkan:0", "--parallel", "2", "--ubatch", "16", *SERVE_ARGS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["exact"] is True and "-vulkan0-" in out["system_fingerprint"], out["system_fingerprint"]
+    for c in out["configs"]:
+        assert c["config"]["flash_attn"] == "off" and c["config"]["ubatch"] == 16
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] > 0, c
+        # DeepSeek-V4 on Vulkan runs without context checkpoints (dflash/serve.py): its cache cannot
+        # be cut, so no request reuses a prefix
+        assert c["cache_hits"] == 0, c
+    target = json.load(open(os.path.join(out["evidence_dir"], "target.json")))
+    assert target["device"] == "vulkan:0" and "llvmpipe" in target["device_label"], target
+
+
+def test_dflash_serve_on_vulkan_answers_what_q1_computes_and_a_planted_server_does_not(lavapipe):
+    """`dflash serve --device vulkan:0 --ubatch 16`: the fingerprint names the device, no flash
+    attention, ggml's Vulkan backend mapped, and a 40-token prompt's last-position logits and
+    response equal `dflash prefill --device vulkan:0` (q1). Twin: the same server on a library that
+    plants mat-vec for 2..8 columns (DFLASH_VK_EXACT=plant; its prompt ends in a band of 8 or fewer
+    and its decode steps run one column) must answer otherwise. A device dflash cannot serve yet is
+    one line, exit 2."""
+    from .test_serve import Serve
+
+    p = json.loads(run_dflash("prefill", "--device", "vulkan:0", "--prompt", SERVE_PROMPT, "--logits", "last",
+                              "--n-predict", "4", "--no-bands", "--threads", "2", "--json", check=True).stdout)
+    assert 1 <= p["n_prompt_tokens"] % 16 <= 8, p["n_prompt_tokens"]  # the server's last prompt band: 1..8
+
+    def ask(*args, env=None):
+        s = Serve("--device", "vulkan:0", "--ubatch", "16", *args, env=env)
+        try:
+            assert "-vulkan0-" in s.info["system_fingerprint"] and s.info["config"]["flash_attn"] == "off"
+            maps = open(f"/proc/{s.llama_server_pid()}/maps").read()
+            assert "libggml-vulkan.so" in maps, "llama-server did not load ggml's Vulkan backend"
+            r = s.post("/v1/completions", {"prompt": SERVE_PROMPT, "max_tokens": 4, "temperature": 0})
+            assert r.status == 200 and r.body["system_fingerprint"] == s.info["system_fingerprint"], r.text[:300]
+            return r.body["dflash"]
+        finally:
+            assert s.stop() == 0, "".join(s.err[-20:])
+
+    fp = ask("--allow-inexact")  # no record needed for one request's comparison
+    assert fp["prompt_sha256"] == p["prompt_sha256"]
+    assert (fp["logits_sha256"], fp["response_tokens"]) == (p["logits_sha256"], p["response_tokens"])
+    planted = ask("--allow-inexact", env={"DFLASH_VK_EXACT": "plant"})
+    assert planted["prompt_sha256"] == p["prompt_sha256"] and planted["logits_sha256"] != p["logits_sha256"]
+    bad = run_dflash("serve", "--device", "cpu,vulkan:0", "--port", server.free_port())
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -30,7 +30,7 @@ Say = Callable[[str], None]
 MAX_BODY_BYTES = 16 << 20  # the largest request body llama-server accepts from dflash serve (413 above)
 # llama-server reads any of its options from LLAMA_ARG_* variables: none reach it from the caller's
 # environment (dflash sets what it runs on the command line)
-_SERVER_ENV_OPTIONS = ("LLAMA_ARG_",)
+_SERVER_ENV_PREFIX = "LLAMA_ARG_"
 
 __all__ = ["ServeTarget", "choose_config", "qualify", "target"]
 
@@ -96,7 +96,7 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
     _, library_key = proofs.library_key(s, kind)
     check = Target(str(binary), str(lib_dir), str(path), lib, library_key, build.server_key(),
                    file_sha256(str(path)), str(spec), tuple(extra), label)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_SERVER_ENV_OPTIONS)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SERVER_ENV_PREFIX)}
     env.update({**s.library_env(), **build.server_env(lib, gpu, lib_dir=lib_dir),
                 "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint, "DFLASH_MAX_BODY_BYTES": str(MAX_BODY_BYTES)})
     if kind == "vulkan":
@@ -171,7 +171,6 @@ def qualify(t: ServeTarget, parallels: Sequence[int], ubatch: int, ctx: int, thr
     configs = [serving.ServeConfig(p, ubatch, ctx, threads, t.flash_attn) for p in parallels]
     out = Path(evidence_dir) if evidence_dir else default_evidence_dir("serve-qualify")
     with Session(t.given_model, weights=t.weights, lib=t.check.flavor, device=t.check.device, threads=threads,
-                 bands=False,
-                 settings=t.settings, build=True, log=log) as session:
+                 bands=False, settings=t.settings, build=True, log=log) as session:
         return qualify_serve(t.check, configs, shape, prefill_with(session), out, argv, log, log_line,
                              env=t.env)

@@ -83,6 +83,8 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
               "from which size the all-reduce sends BF16", "gpu"),
     EnvSwitch("DFLASH_VK_EXACT", f"{_VK_EXACT}:16",
               "0: llama.cpp's own Vulkan routing in the exact build; plant, plant-fusion: planted bugs", "gpu"),
+    EnvSwitch("DFLASH_VK_KPAR_CHUNKS", "vulkan_kernels/patches/exact/0006-ggml-vulkan-k-parallel-narrow.patch:20",
+              "Vulkan exact narrow products: chunks of a row computed side by side (another geometry)", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT", f"{_VK}:4060", "Vulkan: no cooperative-matrix shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2", f"{_VK}:4068", "Vulkan: no NV cooperative-matrix-2 shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2_DECODE_VECTOR", f"{_VK}:4072", "Vulkan: another coopmat2 dequant path", "gpu"),

@@ -4,8 +4,9 @@ exact) is checked the way the CPU kernels are.
 
 Op level: cpu_kernels/tests/invariance.cpp with --backend Vulkan0 computes every column (query
 row) alone and inside products of widths 1, 2, 4, 8, 9, 64 and 512; every one must be bit for bit
-its width-1 result. Widths 1..8 of MUL_MAT run the exact flavor's narrow tiles (1, 2, 4 or 8
-columns), 9 and beyond the s/m/l tiles: the same per-output additions. A fused pattern runs too
+its width-1 result. Widths 1..8 of MUL_MAT run the exact flavor's K-parallel narrow mode (one
+partial per row and 32 elements of K, added in order; every pass geometry a GPU can get is forced
+too), 9 and beyond the s/m/l tiles: the same per-output additions. A fused pattern runs too
 (--op add_rms_norm: ADD, RMS_NORM and MUL as one graph, which ggml-vulkan fuses at one row unless
 the exact flavor stops it). The twins that must fail: the harness's planted bug (--plant), the
 library's planted bugs (DFLASH_VK_EXACT=plant: the mat-vec shaders for 2..8 columns again;
@@ -171,6 +172,23 @@ def test_the_librarys_planted_routing_is_caught(harness):
     """DFLASH_VK_EXACT=plant: the exact routing with the mat-vec shaders back for 2..8 columns."""
     (s,) = run(harness, [["--type", "q4_0"]], env={"DFLASH_VK_EXACT": "plant"}, widths=[NARROWER])
     assert differing(s) == [2, 4, 8], differing(s)
+
+
+def test_every_pass_geometry_of_the_narrow_path_is_bit_identical(harness):
+    """Widths 1..8 run mul_mm's K-parallel mode (patch 0006): one (row, 32-chunk) partial per
+    invocation, a row's partials added in chunk order. How many chunks of a row run side by side (1
+    on lavapipe, which takes the mode for 1 and 2 columns only; 16 on a GPU, for 1..8) must not change
+    a bit: GPU geometries forced on lavapipe (every narrow width through the mode), against the tiled
+    widths 9 and 33 (K 1000: a last chunk padded with zeros)."""
+    checks = [*(["--type", t] for t in PRECISION_TYPES), ["--type", "f32", "--k", "1000"],
+              ["--type", "f16", "--src1", "broadcast"], ["--type", "q4_0", "--groups", "4"]]
+    for chunks in ("16", "64"):
+        got = run(harness, checks, env={"DFLASH_VK_KPAR_CHUNKS": chunks}, widths=["1,2,3,8,9,33"] * len(checks))
+        bad = [(s["args"], differing(s)) for s in got if not s["ok"] or differing(s)]
+        assert not bad, (chunks, bad)
+    r = subprocess.run([harness, "--backend", "Vulkan0", "--type", "f16", "--widths", "1,2"], capture_output=True,
+                       text=True, timeout=300, env={**ENV, "DFLASH_VK_KPAR_CHUNKS": "3"})
+    assert r.returncode != 0 and "DFLASH_VK_KPAR_CHUNKS=3" in r.stderr
 
 
 def test_a_bad_routing_value_is_one_line(harness):

@@ -13,7 +13,7 @@ LAYERS: list[set[str]] = [
     # 0, the ground floor: pure logic and leaves every layer may use (the package's __init__
     # imports nothing at run time: its public names load on first use)
     {"dflash", "errors", "stage", "paths", "cpu_isa", "fileio", "stats", "trace", "narrow", "bands", "settings", "rpc",
-     "devices", "gguf_meta", "graph_switches"},
+     "devices", "gguf_meta", "graph_switches", "spirv"},
     # 1, what talks to llama.cpp, the build, files on disk, and typed results
     {"llama", "build", "cuda_libs", "evidence", "tiny_model", "kernel_selftest", "results", "prefill", "supervisor",
      "serving", "server"},

@@ -10,9 +10,14 @@ too), 9 and beyond the s/m/l tiles: the same per-output additions. A fused patte
 (--op add_rms_norm: ADD, RMS_NORM and MUL as one graph, which ggml-vulkan fuses at one row unless
 the exact flavor stops it). The twins that must fail: the harness's planted bug (--plant), the
 library's planted bugs (DFLASH_VK_EXACT=plant: the mat-vec shaders for 2..8 columns again;
-DFLASH_VK_EXACT=plant-fusion: the add hands the norm its partial sums again at one row) and
+DFLASH_VK_EXACT=plant-fusion: the add hands the norm its partial sums again at one row;
+DFLASH_VK_EXACT=plant-kpar: the narrow mode adds a row's partials last to first) and
 llama.cpp's own routing in the same build (DFLASH_VK_EXACT=0: mat-vec up to 8 columns, mul_mm
 beyond, split-K, flash attention tuned per batch, the add+norm fusion), the stock twin.
+
+Contraction: every floating-point operation of the exact flavor's product shaders, as embedded in
+the library, is decorated NoContraction (dflash/spirv.py reads the shipped SPIR-V; a module with
+one decoration removed is the twin), so a driver cannot fuse or split them differently per path.
 
 Precision: the exact flavor computes in f32 (stock's wide products use f16-accumulating pipelines on
 an fp16 device): width 1 is checked against a double-precision product, next to stock's width 1.
@@ -34,12 +39,14 @@ Needs the exact Vulkan build (`scripts/setup --all` or `--vulkan`) and lavapipe
 """
 import json
 import os
+import struct
 import subprocess
 import sys
 
 import pytest
 
-from dflash import build, devices, server
+from dflash import build, devices, server, spirv
+from dflash.errors import DflashError
 
 from .conftest import run_dflash, run_json
 from .test_cpu_kernels import compile_harness
@@ -189,6 +196,48 @@ def test_every_pass_geometry_of_the_narrow_path_is_bit_identical(harness):
     r = subprocess.run([harness, "--backend", "Vulkan0", "--type", "f16", "--widths", "1,2"], capture_output=True,
                        text=True, timeout=300, env={**ENV, "DFLASH_VK_KPAR_CHUNKS": "3"})
     assert r.returncode != 0 and "DFLASH_VK_KPAR_CHUNKS=3" in r.stderr
+
+
+def test_the_planted_narrow_mode_is_caught(harness):
+    """DFLASH_VK_EXACT=plant-kpar: the K-parallel mode adds a row's partials last to first (at every
+    narrow width, lavapipe's 4 and 8 included); the tiled widths 9 and 33 add them first to last, so
+    they differ from width 1, the harness's reference, while the narrow widths agree with it."""
+    checks = [["--type", "q4_0"], ["--type", "f16"], ["--type", "q4_K"]]
+    for s in run(harness, checks, env={"DFLASH_VK_EXACT": "plant-kpar"}, widths=["1,2,4,8,9,33"] * len(checks)):
+        assert differing(s) == [9, 33], (s["args"], differing(s))
+
+
+def exact_vulkan_library():
+    lib = build.library_dir("exact", "vulkan") / "libggml-vulkan.so"
+    assert lib.is_file(), f"{lib} missing: scripts/setup --vulkan builds it"
+    return lib
+
+
+def test_every_float_operation_of_the_exact_products_is_no_contraction():
+    """Patch 0007: every floating-point operation of mul_mm's f32 shaders, as embedded in the
+    library the driver is handed, carries NoContraction, so no driver (RADV's fusing compiler
+    included) can round the K-parallel mode and the tiles differently. The stock build's carry none."""
+    report = spirv.contraction_report(exact_vulkan_library())
+    names = {c.module for c in report}
+    assert {"matmul_quant_f32_fp32", "matmul_f16_f32_fp32", "matmul_f32_f32_fp32"} <= names, names
+    assert any(n.startswith("matmul_id_") for n in names), names
+    assert not [c.to_json() for c in report if not c.precise]
+    assert sum(c.float_ops for c in report) > 1000
+
+
+def test_one_contractible_operation_is_found():
+    """The check's twin: the same shipped module with one NoContraction decoration turned into
+    another (RelaxedPrecision) must be reported with exactly that one operation loose."""
+    module = spirv.embedded_modules(exact_vulkan_library())["matmul_quant_f32_fp32"]
+    words = list(struct.unpack(f"<{len(module) // 4}I", module))
+    i = 5
+    while not (words[i] & 0xFFFF == spirv.OP_DECORATE and words[i + 2] == spirv.NO_CONTRACTION):
+        i += words[i] >> 16
+    words[i + 2] = 0  # RelaxedPrecision
+    planted = spirv.float_ops(struct.pack(f"<{len(words)}I", *words), "planted")
+    assert not planted.precise and sum(planted.contractible.values()) == 1, planted
+    with pytest.raises(DflashError, match="not a SPIR-V module"):
+        spirv.float_ops(module[4:], "shifted")
 
 
 def test_a_bad_routing_value_is_one_line(harness):

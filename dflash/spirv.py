@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +68,8 @@ def float_ops(module: bytes, name: str = "module") -> ContractionCheck:
         elif op == OP_EXT_INST and count > 4 and ins[3] == glsl and ins[4] == GLSL_FMA:
             ops.append(("Fma", ins[2]))
         i += count
-    loose: dict[str, int] = {}
-    for op_name, result in ops:
-        if result not in decorated:
-            loose[op_name] = loose.get(op_name, 0) + 1
-    return ContractionCheck(name, len(ops), loose)
+    loose = Counter(op_name for op_name, result in ops if result not in decorated)
+    return ContractionCheck(name, len(ops), dict(loose))
 
 
 def embedded_modules(library: Path, pattern: re.Pattern[str] = EXACT_PRODUCTS) -> dict[str, bytes]:

@@ -34,8 +34,12 @@ use, and that compile (a cold Mesa shader cache on a fresh machine) is most of t
 Cost: the op-level checks reference every column alone, so width 512 costs 8 times width 64: a
 few checks run to 512, the rest to 64 (about 4 minutes with a cold shader cache).
 
-Needs the exact Vulkan build (`scripts/setup --all` or `--vulkan`) and lavapipe
-(mesa-vulkan-drivers): without them these tests fail, they are never skipped.
+Stock Vulkan runs too: llama.cpp's own build (its defaults: flash attention with split-K) on the
+tiny DeepSeek-V4 model at q1 and bands of 4, 9 and 64, which crashed lavapipe before common patch
+0008 (every binding of a reused descriptor set written).
+
+Needs both Vulkan builds (`scripts/setup --all` or `--vulkan`) and lavapipe (mesa-vulkan-drivers):
+without them these tests fail, they are never skipped.
 """
 import json
 import os
@@ -250,16 +254,16 @@ def test_a_bad_routing_value_is_one_line(harness):
 
 
 def prefill_widths(model, widths: str, tokens: int, env: dict | None = None,
-                   device: str = "vulkan:0") -> dict[int, dict]:
+                   device: str = "vulkan:0", lib: str = "exact") -> dict[int, dict]:
     """Every width's fingerprints (tests/variant_prefill.py: one process, cache-cold runs of the
-    same prompt in fixed-width bands) on `device`."""
-    return prefill_models([model], widths, tokens, env, device)[str(model)]
+    same prompt in fixed-width bands) on `device` with the `lib` flavor's Vulkan build."""
+    return prefill_models([model], widths, tokens, env, device, lib)[str(model)]
 
 
 def prefill_models(models: list, widths: str, tokens: int, env: dict | None = None,
-                   device: str = "vulkan:0") -> dict[str, dict[int, dict]]:
+                   device: str = "vulkan:0", lib: str = "exact") -> dict[str, dict[int, dict]]:
     """prefill_widths for several models in one process (one library load), by model path."""
-    cmd = [sys.executable, "-m", "tests.variant_prefill", "--device", device, "--lib", "exact", "--widths", widths,
+    cmd = [sys.executable, "-m", "tests.variant_prefill", "--device", device, "--lib", lib, "--widths", widths,
            "--tokens", str(tokens), "--threads", "2", *map(str, models)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT,
                        env={**{k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "GGML_VK_"))},
@@ -268,7 +272,7 @@ def prefill_models(models: list, widths: str, tokens: int, env: dict | None = No
     out: dict[str, dict[int, dict]] = {str(m): {} for m in models}
     for line in r.stdout.splitlines():
         d = json.loads(line)
-        assert d["n_tokens"] == tokens and d["library"]["flavor"] == "exact", d
+        assert d["n_tokens"] == tokens and d["library"]["flavor"] == lib, d
         assert d["widths_run"][-1] == min(d["width"], tokens), d  # a band of the width was really decoded
         assert d["devices"] == device.split(","), d
         out[d["model"]][d["width"]] = d
@@ -300,6 +304,18 @@ def test_the_f16_and_k_quant_presets_are_bit_identical_to_q1_on_lavapipe(lavapip
     runs = prefill_models([tiny_models[w] for w in presets], "1,4,9", 40)
     bad = {w: differing_widths(runs[str(tiny_models[w])]) for w in presets}
     assert not any(bad.values()), bad
+
+
+def test_the_tiny_deepseek_v4_model_runs_on_stock_vulkan(lavapipe, tiny_models):
+    """Stock llama.cpp's Vulkan build on the tiny DeepSeek-V4 model, with llama.cpp's defaults
+    (flash attention on, split-K): q1 and bands of 4, 9 and 64 over 96 tokens all finish, each a
+    band of its width. Before common patch 0008 this died with SIGSEGV inside lavapipe every time
+    tried (64 over 96): ggml-vulkan writes only a pipeline's own bindings of a reused descriptor set,
+    and lavapipe binds the rest too, one of them flash attention's destroyed split-K scratch
+    (vulkan_kernels/README.md). The exact flavor's bands equal q1 (the tests above); stock's need not."""
+    runs = prefill_widths(tiny_models["mxfp4"], "1,4,9,64", 96, lib="stock")
+    print("stock widths differing from its q1:", differing_widths(runs))
+    assert all(len(d["logits_sha256"]) == 64 for d in runs.values()), runs
 
 
 def test_the_planted_fusion_differs_at_model_level(lavapipe, tiny_models):
@@ -359,8 +375,9 @@ def test_a_vulkan_device_behind_rpc_server_is_bit_identical_to_q1(lavapipe, gemm
     columns (DFLASH_VK_EXACT=plant) gives other logits at bands of 4. (The tiny DeepSeek-V4
     model cannot run behind an RPC server on lavapipe: ggml's RPC client offers every op to the
     server, and lavapipe has no pipeline for its hyper-connection ops; locally those fall back
-    to the CPU.) Each placement gets a fresh server: a lavapipe server that served two earlier
-    clients crashed inside lavapipe on the third in 4 of 4 tries (README, Not done yet)."""
+    to the CPU.) One server answers all four clients in turn: before common patch 0008 a lavapipe
+    server that had served two clients aborted inside lavapipe on the third (heap corruption; gone
+    with the stale-descriptor fix, vulkan_kernels/README.md), so this doubles as that patch's check."""
     from .test_rpc import Server
 
     def prefill(endpoint: str, device: str, *bands: str) -> dict:
@@ -370,17 +387,17 @@ def test_a_vulkan_device_behind_rpc_server_is_bit_identical_to_q1(lavapipe, gemm
         return r
 
     q1: dict[str, dict] = {}
-    for device in ("rpc:0", "cpu,rpc:0"):  # a server each (see the docstring's last sentence)
-        server = Server(tmp_path, "--device", "vulkan:0")
-        try:
-            assert server.info["device"] == "vulkan:0"
+    server = Server(tmp_path, "--device", "vulkan:0")
+    try:
+        assert server.info["device"] == "vulkan:0"
+        for device in ("rpc:0", "cpu,rpc:0"):  # four clients in turn on one server
             q1[device] = prefill(server.endpoint, device, "--no-bands")
             r = prefill(server.endpoint, device, "--bands", "--chunk", "4")
-        finally:
-            server.kill()
-        assert max(r["widths"]) == 4 and r["library"]["dir"] == server.info["library"]["dir"], r["library"]
-        assert (r["logits_sha256"], r["response_sha256"]) == (q1[device]["logits_sha256"],
-                                                              q1[device]["response_sha256"]), device
+            assert max(r["widths"]) == 4 and r["library"]["dir"] == server.info["library"]["dir"], r["library"]
+            assert (r["logits_sha256"], r["response_sha256"]) == (q1[device]["logits_sha256"],
+                                                                  q1[device]["response_sha256"]), device
+    finally:
+        server.kill()
     planted = Server(tmp_path, "--device", "vulkan:0", env={"DFLASH_VK_EXACT": "plant"})
     try:
         r = prefill(planted.endpoint, "rpc:0", "--bands", "--chunk", "4")
@@ -410,7 +427,7 @@ def test_serving_on_vulkan_is_identical_to_solo_cold_runs_and_q1(lavapipe):
     same device. (Before dflash turned context checkpoints off here, this check caught the repeat
     of a 73-token prompt, restored from a checkpoint at 69, differing from its cold run.) The twin
     is the next test's planted server."""
-    r = run_dflash("qualify", "--serve", "--device", "vulkan:0", "--parallel", "2", "--ubatch", "16", *SERVE_ARGS)
+    r = run_dflash("qualify", "--serve", "--device", "vulkan:0", "--parallel", "4", "--ubatch", "16", *SERVE_ARGS)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["exact"] is True and "-vulkan0-" in out["system_fingerprint"], out["system_fingerprint"]

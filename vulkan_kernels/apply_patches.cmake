@@ -1,8 +1,9 @@
 # Apply dflash's Vulkan patch set to a llama.cpp source tree (after cmake/apply_patches.cmake):
 #   cmake -DSRC=<llama.cpp copy> -DFLAVOR=exact|stock -DPATCH_DIR=<repo>/vulkan_kernels -P apply_patches.cmake
 #   patches/common/*.patch  every Vulkan build: what the pinned source needs to compile with
-#                           Debian 12's Vulkan headers (1.3.239) and glslc (2023.2)
-#   patches/exact/*.patch   the exact flavor's Vulkan kernels (none yet: see vulkan_kernels/README.md)
+#                           Debian 12's Vulkan headers (1.3.239) and glslc (2023.2), and to run
+#                           on lavapipe without crashing (stock included)
+#   patches/exact/*.patch   the exact flavor's routing and kernels (see vulkan_kernels/README.md)
 # (cmake/llama_gpu.cmake runs this for DFLASH_GPU=vulkan.)
 foreach(v SRC FLAVOR PATCH_DIR)
   if(NOT DEFINED ${v})

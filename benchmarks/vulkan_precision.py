@@ -1,0 +1,80 @@
+"""How far each Vulkan flavor's width-1 logits lie from the CPU library's, end to end on a model.
+
+    .venv/bin/python benchmarks/vulkan_precision.py                 # tiny DeepSeek-V4 (MXFP4)
+    .venv/bin/python benchmarks/vulkan_precision.py --model gemma-3-270m-q4_k_m.gguf --tokens 48
+
+One child process per library (the exact CPU library, the exact Vulkan build, llama.cpp's own
+Vulkan build on vulkan:0) prefills the same prompt one token per step (q1) with llama.cpp's or
+dflash's usual settings for that library, keeping every position's logits; the parent compares the
+two Vulkan runs with the CPU run: the largest absolute difference, the root-mean-square difference,
+and the positions whose arg-max token differs. The CPU library is the reference only because it is
+the one dflash proves exact on every CPU class; none of these is a double-precision product (the
+op-level harness has that figure per weight type). Not a test: nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RUNS = (("exact", "cpu"), ("exact", "vulkan:0"), ("stock", "vulkan:0"))
+
+
+def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str) -> None:
+    from dflash import engine, prefill, sweep
+    from dflash.bands import from_widths
+    from dflash.session import Session
+
+    with Session(model, lib=lib, device=device, threads=threads, bands=False) as s:
+        toks = sweep.repeat_to(s.tokenize, engine.DEFAULT_PROMPT, tokens)[1][:tokens]
+        eng = s.engine
+        with eng.context(eng.context_size(len(toks), 0, None), 1) as ctx:
+            r = prefill.run(ctx, prefill.Request(toks, from_widths([1] * len(toks)), 0, keep_logits=True),
+                            library=str(eng.lib_dir))
+        assert r.logits is not None
+        np.save(out, np.asarray(r.logits, dtype=np.float32))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF model [default: the built-in tiny DeepSeek-V4 model]")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", dest="json_out", default=None, help="also write the figures to this file")
+    ap.add_argument("--child", nargs=3, metavar=("LIB", "DEVICE", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a.model, a.child[0], a.child[1], a.tokens, a.threads, a.child[2])
+        return
+    logits = {}
+    with tempfile.TemporaryDirectory(prefix="dflash-precision-") as tmp:
+        for lib, device in RUNS:  # one library per process, one process at a time
+            out = str(Path(tmp) / f"{lib}-{device.replace(':', '')}.npy")
+            cmd = [sys.executable, __file__, "--tokens", str(a.tokens), "--threads", str(a.threads),
+                   "--child", lib, device, out] + (["--model", a.model] if a.model else [])
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            logits[(lib, device)] = np.load(out).astype(np.float64)
+    ref = logits[("exact", "cpu")]
+    rows = []
+    for lib, device in RUNS[1:]:
+        x = logits[(lib, device)]
+        d = x - ref
+        rows.append({"lib": lib, "device": device, "reference": "exact cpu", "positions": int(ref.shape[0]),
+                     "max_abs_diff": float(np.abs(d).max()), "rms_diff": float(np.sqrt((d * d).mean())),
+                     "argmax_positions_differing": int((x.argmax(axis=1) != ref.argmax(axis=1)).sum())})
+        print(json.dumps(rows[-1]))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"model": a.model or "tiny DeepSeek-V4 (mxfp4)",
+                                                "tokens": a.tokens, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

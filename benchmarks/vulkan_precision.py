@@ -29,16 +29,13 @@ RUNS = (("exact", "cpu"), ("exact", "vulkan:0"), ("stock", "vulkan:0"))
 
 
 def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str) -> None:
-    from dflash import engine, prefill, sweep
+    from dflash import diff, engine, sweep
     from dflash.bands import from_widths
     from dflash.session import Session
 
     with Session(model, lib=lib, device=device, threads=threads, bands=False) as s:
         toks = sweep.repeat_to(s.tokenize, engine.DEFAULT_PROMPT, tokens)[1][:tokens]
-        eng = s.engine
-        with eng.context(eng.context_size(len(toks), 0, None), 1) as ctx:
-            r = prefill.run(ctx, prefill.Request(toks, from_widths([1] * len(toks)), 0, keep_logits=True),
-                            library=str(eng.lib_dir))
+        r = diff.untapped_request(s.engine, toks, from_widths([1] * len(toks)))  # a fresh context, logits kept
         assert r.logits is not None
         np.save(out, np.asarray(r.logits, dtype=np.float32))
 

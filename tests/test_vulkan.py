@@ -61,8 +61,8 @@ NARROWER = "1,2,4,8,9,64"  # the harness runs every column alone for the referen
 # (check, widths): the widest checks first; every type, op and attention shape at least to 64
 CHECKS = [(["--type", "q4_0"], WIDTHS), (["--type", "mxfp4"], WIDTHS),
           (["--type", "q4_K", "--op", "mul_mat_id"], WIDTHS), (["--op", "flash_attn_ext"], WIDTHS),
-          *((["--type", t], NARROWER) for t in ("f32", "f16", "q8_0", "q4_K", "q6_K")),
-          *((["--type", t, "--op", "mul_mat_id"], NARROWER) for t in ("f16", "q4_0", "mxfp4")),
+          *((["--type", t], NARROWER) for t in ("f32", "f16", "q8_0", "q5_0", "q4_K", "q6_K")),
+          *((["--type", t, "--op", "mul_mat_id"], NARROWER) for t in ("f16", "q4_0", "q5_0", "q8_0", "mxfp4")),
           *((["--op", "flash_attn_ext", *shape], NARROWER)
             for shape in (["--ref-view", "256"], ["--holes", "64"], ["--window", "128", "--sinks"], ["--kv", "1100"],
                           ["--head-dim", "64", "--heads", "4", "--kv-heads", "4"])),
@@ -188,13 +188,15 @@ def test_the_librarys_planted_routing_is_caught(harness):
 def test_every_pass_geometry_of_the_narrow_path_is_bit_identical(harness):
     """Widths 1..8 run mul_mm's K-parallel mode (patch 0006): one (row, 32-chunk) partial per
     invocation, a row's partials added in chunk order. How many chunks of a row run side by side (1
-    on lavapipe, which takes the mode for 1 and 2 columns only; 16 on a GPU, for 1..8) must not change
-    a bit: GPU geometries forced on lavapipe (every narrow width through the mode), against the tiled
-    widths 9 and 33 (K 1000: a last chunk padded with zeros)."""
-    checks = [*(["--type", t] for t in PRECISION_TYPES), ["--type", "f32", "--k", "1000"],
-              ["--type", "f16", "--src1", "broadcast"], ["--type", "q4_0", "--groups", "4"]]
-    for chunks in ("16", "64"):
-        got = run(harness, checks, env={"DFLASH_VK_KPAR_CHUNKS": chunks}, widths=["1,2,3,8,9,33"] * len(checks))
+    on lavapipe, each invocation walking 4 or 8 rows (patch 0010); 16 on a GPU) must not change a
+    bit: GPU geometries forced on lavapipe, against the tiled widths 9 and 33 (K 1000: a last chunk
+    padded with zeros; M 100: a partial workgroup)."""
+    checks = [*(["--type", t] for t in PRECISION_TYPES), ["--type", "q5_0"], ["--type", "f32", "--k", "1000"],
+              ["--type", "f16", "--src1", "broadcast"], ["--type", "q4_0", "--groups", "4"],
+              ["--type", "q4_K", "--src1", "strided"], ["--type", "q5_0", "--m", "100"]]
+    for chunks in ("", "16", "64"):  # "": the device's own geometry
+        env = {"DFLASH_VK_KPAR_CHUNKS": chunks} if chunks else None
+        got = run(harness, checks, env=env, widths=["1,2,3,8,9,33"] * len(checks))
         bad = [(s["args"], differing(s)) for s in got if not s["ok"] or differing(s)]
         assert not bad, (chunks, bad)
     r = subprocess.run([harness, "--backend", "Vulkan0", "--type", "f16", "--widths", "1,2"], capture_output=True,

@@ -37,6 +37,13 @@
 // grouped output hands them over); --src1 broadcast gives them a third dimension of 2 over one
 // weight matrix (ggml broadcasts src0 over src1's ne2): column j is then the pair of rows (j, b).
 //
+// --zero-tail T (MUL_MAT): every width, 1 included, multiplies over K + T instead, the weights
+// given T more columns (random) and every activation column T zeros after its K values, as
+// non-flash attention multiplies softmax weights of exactly 0 by the cells past a row's last visible
+// one in a cache view that grows with the batch. Each column must still be its width-1 result over K:
+// a kernel whose sum is not left as it was by a run of zero terms (a K split that follows K, a
+// compensated sum that hands its correction to a zero partial) fails it.
+//
 // Shapes: --k (the reduction), --m (weight rows), --experts/--used (MUL_MAT_ID), --groups (a 3-D
 // stack of matrices), --threads (of every product; --ref-threads N gives the width-1 reference runs
 // N threads instead, a check of thread-count invariance on top of batch invariance).
@@ -111,6 +118,7 @@ struct Options {
     float softcap = 0.0f;
     int ref_view = 0; // > 0: a width-1 reference sees the cache cut after its own cell, padded to a multiple of this
     int holes = 0;    // > 0: the batches see this many masked cells inserted in the middle of the cache
+    int zero_tail = 0; // > 0 (mul_mat): every width runs over K + zero_tail, the extra activations 0
     std::vector<int> widths = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 257, 512};
     unsigned seed = 42;
 };
@@ -191,6 +199,7 @@ Options parse(const std::vector<std::string> & args) {
         else if (a == "--sinks") o.sinks = true;
         else if (a == "--ref-view") o.ref_view = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--holes") o.holes = parse_int(a, val(), 0, 1 << 20);
+        else if (a == "--zero-tail") o.zero_tail = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--softcap") {
             const char * s = val();
             char * end = nullptr;
@@ -211,6 +220,8 @@ Options parse(const std::vector<std::string> & args) {
         usage("--src1 is contiguous, strided or broadcast");
     if (o.src1 != "contiguous" && (o.op != "mul_mat" || o.groups > 1))
         usage("--src1 strided|broadcast needs --op mul_mat without --groups");
+    if (o.zero_tail && (o.op != "mul_mat" || o.groups > 1 || o.src1 != "contiguous" || o.plant))
+        usage("--zero-tail needs --op mul_mat without --groups, --src1 or --plant");
     if (o.op == "add_rms_norm") {
         if (o.type_set && o.type != "f32") usage("--op add_rms_norm runs f32 rows (no --type)");
         o.type = "f32";
@@ -251,6 +262,7 @@ void validate(const Options & o) {
     }
     if (!has_product) usage("the CPU backend has no matrix product for " + o.type + " (no to_float or vec_dot)");
     if (o.k % blk) usage("--k must be a multiple of the type's block size (" + std::to_string(blk) + ")");
+    if (o.zero_tail % blk) usage("--zero-tail must be a multiple of the type's block size (" + std::to_string(blk) + ")");
     if (o.plant && o.k / blk < 2)
         usage("--plant rotates K blocks: --k must hold at least two blocks of " + o.type + " (" + std::to_string(2 * blk) + ")");
     if (o.backend != "cpu" && o.placement != "auto") usage("--placement applies to the CPU backend only");
@@ -669,10 +681,34 @@ int run_mul_mat(const Options & o) {
         max_rel = std::fmax(max_rel, scale > 0 ? err / scale : err);
     }
 
+    // --zero-tail: the same rows with T more columns (their leading blocks byte for byte the K-wide
+    // weights', the tail quantized apart) and the same activations followed by T zeros
+    Options o_tail = o;
+    o_tail.k = o.k + o.zero_tail;
+    Runner r_tail(o_tail, type, dev);
+    Resident w_tail;
+    std::vector<float> xf_tail;
+    if (o.zero_tail) {
+        std::vector<float> tf(rows * o.zero_tail);
+        for (float & v : tf) v = nd(rng) / std::sqrt((float) o.k);
+        const std::vector<uint8_t> tq = quantize(type, tf, rows, o.zero_tail, nullptr, o.threads);
+        const size_t rs = ggml_row_size(type, o.k), ts = ggml_row_size(type, o.zero_tail);
+        std::vector<uint8_t> wq_tail(rows * (rs + ts));
+        for (int64_t row = 0; row < rows; row++) {
+            std::memcpy(&wq_tail[row * (rs + ts)], &wq[row * rs], rs);
+            std::memcpy(&wq_tail[row * (rs + ts) + rs], &tq[row * ts], ts);
+        }
+        xf_tail.assign((size_t) max_w * o_tail.k, 0.0f);
+        for (int j = 0; j < max_w; j++) std::memcpy(&xf_tail[(size_t) j * o_tail.k], &xf[(size_t) j * o.k], o.k * sizeof(float));
+        r_tail.choose_buft();
+        r_tail.upload(w_tail, wq_tail);
+    }
+
     Tally tally{o, r.weight_buft_name};
     for (int n : o.widths) {
         const bool planted = o.plant && n > 1;
-        std::vector<float> y = r.run(dev, planted ? w_wide : w_main, planted ? xf_wide.data() : xf.data(), ids.data(), n);
+        std::vector<float> y = o.zero_tail ? r_tail.run(dev, w_tail, xf_tail.data(), ids.data(), n)
+                                           : r.run(dev, planted ? w_wide : w_main, planted ? xf_wide.data() : xf.data(), ids.data(), n);
         tally.width(n, planted, y, ref, out_per_col);
     }
     const bool ok = tally.ok();
@@ -680,12 +716,12 @@ int run_mul_mat(const Options & o) {
                 "\"buffer\": \"%s\", \"k\": %d, \"m\": %d, "
                 "\"widths\": %zu, \"widths_differing\": %d, \"planted\": %s, \"reference_max_rel_err\": %.3e, \"ok\": %s, "
                 "\"reference_tokens\": %d, \"threads\": %d, \"ref_threads\": %d, \"placement\": \"%s\", \"groups\": %d, \"experts\": %d, \"used\": %d, \"imatrix\": %s, "
-                "\"extra_buffers\": %s}\n",
+                "\"zero_tail\": %d, \"extra_buffers\": %s}\n",
                 o.type.c_str(), o.op.c_str(), o.src1.c_str(), o.backend.c_str(), r.weight_buft_name.c_str(), o.k, o.m,
                 o.widths.size(), tally.bad_widths,
                 o.plant ? "true" : "false", max_rel, ok ? "true" : "false", reference_tokens(max_w),
                 o.threads, o.ref_threads, o.placement.c_str(), o.groups, moe ? o.n_expert : 0, moe ? o.n_used : 0,
-                use_imatrix ? "true" : "false", json_list(cpu_extra_names()).c_str());
+                use_imatrix ? "true" : "false", o.zero_tail, json_list(cpu_extra_names()).c_str());
     return ok ? 0 : 1;
 }
 

@@ -52,7 +52,7 @@ def run_widths(model: str, widths: str, tokens: int, device: str, lib: str, thre
     same = {d["width"]: (d["logits_sha256"], d["response_sha256"]) == (q1["logits_sha256"], q1["response_sha256"])
             for d in rows if d["width"] != 1}
     return {"widths": widths, "tokens": tokens, "identical_to_q1": same, "q1_logits_sha256": q1["logits_sha256"],
-            "seconds": seconds, "error": None}
+            "flash_attn": q1["flash_attn"], "seconds": seconds, "error": None}
 
 
 def main() -> int:

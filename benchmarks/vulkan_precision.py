@@ -9,7 +9,13 @@ dflash's usual settings for that library, keeping every position's logits; the p
 two Vulkan runs with the CPU run: the largest absolute difference, the root-mean-square difference,
 and the positions whose arg-max token differs. The CPU library is the reference only because it is
 the one dflash proves exact on every CPU class; none of these is a double-precision product (the
-op-level harness has that figure per weight type). Not a test: nothing is asserted.
+op-level harness has that figure per weight type). `--cpu-cache f32` gives the CPU reference an f32
+KV cache and attention without flash attention (llama.cpp's defaults, an f16 cache and flash
+attention, round every query and every cell to f16 inside attention on the CPU, as stock Vulkan's
+f16 attention does on a device with f16, and the exact flavor's f32 attention does not; with flash
+attention llama.cpp casts an f32 cache back to f16): a reference nearer the true attention, to
+tell whose error the distance is. Not a test:
+nothing is asserted.
 """
 from __future__ import annotations
 
@@ -28,12 +34,26 @@ sys.path.insert(0, str(ROOT))
 RUNS = (("exact", "cpu"), ("exact", "vulkan:0"), ("stock", "vulkan:0"))
 
 
-def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str) -> None:
+def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str, cache: str) -> None:
     from dflash import diff, engine, sweep
     from dflash.bands import from_widths
     from dflash.session import Session
 
     with Session(model, lib=lib, device=device, threads=threads, bands=False) as s:
+        if cache == "f32" and device == "cpu":  # the reference's K and V cache in f32 (GGML_TYPE_F32 = 0)
+            import llama_cpp
+
+            # without flash attention: llama.cpp's flash-attention graph casts an f32 cache to f16
+            engine.Engine.flash_attn = property(lambda self: False)  # type: ignore[assignment,method-assign]
+
+            default = llama_cpp.llama_context_default_params
+
+            def f32_cache():  # type: ignore[no-untyped-def]
+                cp = default()
+                cp.type_k = cp.type_v = 0
+                return cp
+
+            llama_cpp.llama_context_default_params = f32_cache
         toks = sweep.repeat_to(s.tokenize, engine.DEFAULT_PROMPT, tokens)[1][:tokens]
         r = diff.untapped_request(s.engine, toks, from_widths([1] * len(toks)))  # a fresh context, logits kept
         assert r.logits is not None
@@ -45,18 +65,20 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF model [default: the built-in tiny DeepSeek-V4 model]")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-cache", choices=("f16", "f32"), default="f16",
+                    help="the CPU reference's KV cache type [default: f16, llama.cpp's]")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures to this file")
     ap.add_argument("--child", nargs=3, metavar=("LIB", "DEVICE", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.model, a.child[0], a.child[1], a.tokens, a.threads, a.child[2])
+        child(a.model, a.child[0], a.child[1], a.tokens, a.threads, a.child[2], a.cpu_cache)
         return
     logits = {}
     with tempfile.TemporaryDirectory(prefix="dflash-precision-") as tmp:
         for lib, device in RUNS:  # one library per process, one process at a time
             out = str(Path(tmp) / f"{lib}-{device.replace(':', '')}.npy")
             cmd = [sys.executable, __file__, "--tokens", str(a.tokens), "--threads", str(a.threads),
-                   "--child", lib, device, out] + (["--model", a.model] if a.model else [])
+                   "--cpu-cache", a.cpu_cache, "--child", lib, device, out] + (["--model", a.model] if a.model else [])
             subprocess.run(cmd, check=True, cwd=ROOT)
             logits[(lib, device)] = np.load(out).astype(np.float64)
     ref = logits[("exact", "cpu")]
@@ -64,7 +86,8 @@ def main() -> None:
     for lib, device in RUNS[1:]:
         x = logits[(lib, device)]
         d = x - ref
-        rows.append({"lib": lib, "device": device, "reference": "exact cpu", "positions": int(ref.shape[0]),
+        rows.append({"lib": lib, "device": device, "reference": f"exact cpu, {a.cpu_cache} cache",
+                     "positions": int(ref.shape[0]),
                      "max_abs_diff": float(np.abs(d).max()), "rms_diff": float(np.sqrt((d * d).mean())),
                      "argmax_positions_differing": int((x.argmax(axis=1) != ref.argmax(axis=1)).sum())})
         print(json.dumps(rows[-1]))

@@ -180,17 +180,22 @@ class Engine:
 
     @property
     def flash_attn(self) -> bool | None:
-        """Flash attention as llama.cpp chooses it (None: auto) on the CPU in both flavors (the
-        exact library's CPU kernel runs every query row the same way at every width,
-        cpu_kernels/README.md) and for the stock library anywhere; off for the exact library on a
-        GPU, whose flash-attention kernels are not made batch-invariant (the CUDA build leaves
-        them out). RPC devices count as what their server serves (`dflash rpc-server` reports it;
-        a server that does not is taken for a GPU)."""
+        """Flash attention as llama.cpp chooses it (None: auto) on the CPU in both flavors and for
+        the stock library anywhere: the exact library's CPU kernel runs every query row the same way
+        at every width (cpu_kernels/README.md). On for the exact library on Vulkan, whose flavor
+        splits a row's cells at fixed cells from cell 0 whatever the batch (vulkan_kernels/README.md,
+        patch 0012): on rather than auto, so that a run, a qualification and a server on Vulkan
+        always prove that kernel. Off for the exact library on a CUDA or HIP GPU, whose
+        flash-attention kernels are not made batch-invariant (the CUDA build leaves them out). RPC
+        devices count as what their server serves (`dflash rpc-server` reports it; a server that
+        does not is taken for a GPU other than Vulkan)."""
         if self.settings.lib != "exact":
             return None
         spec = devices.parse_spec(self.device)
-        on_cpu = spec.kind == "cpu" and (self.remote is None or self.remote.all_cpu)
-        return None if on_cpu else False
+        if spec.kind == "cpu" and (self.remote is None or self.remote.all_cpu):
+            return None
+        servers = [sv.device for sv in self.remote.servers] if self.remote is not None else []
+        return devices.device_kind(self.device, servers) == "vulkan"
 
     @property
     def op_offload(self) -> bool | None:

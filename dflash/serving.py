@@ -199,8 +199,10 @@ def device_args(device: str, flavor: str) -> list[str]:
 
 def flash_attn_for(device: str, flavor: str) -> str:
     """-fa as dflash prefill runs it (Engine.flash_attn): llama.cpp's choice on the CPU and for the
-    stock library; off for the exact library on a GPU."""
-    return "off" if flavor == "exact" and device != "cpu" else "auto"
+    stock library; on for the exact library on Vulkan, off on a CUDA or HIP GPU."""
+    if flavor != "exact" or device == "cpu":
+        return "auto"
+    return "on" if device.split(":", 1)[0] == "vulkan" else "off"
 
 
 def config_key(parts: Sequence[str]) -> str:

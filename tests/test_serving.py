@@ -47,11 +47,12 @@ def test_vouching_ignores_ctx_and_threads_only():
         assert not base.vouched_by(other)
 
 
-def test_a_vulkan_device_puts_every_layer_on_it_without_flash_attention_or_op_offload():
+def test_a_vulkan_device_puts_every_layer_on_it_with_flash_attention_and_without_op_offload():
     assert serving.device_args("cpu", "exact") == [] and serving.flash_attn_for("cpu", "exact") == "auto"
     a = serving.device_args("vulkan:1", "exact")  # the server is shown vulkan:1 alone: its Vulkan0
     assert a[a.index("-dev") + 1] == "Vulkan0" and a[a.index("-ngl") + 1] == "999" and "--no-op-offload" in a
-    assert serving.flash_attn_for("vulkan:1", "exact") == "off"
+    assert serving.flash_attn_for("vulkan:1", "exact") == "on"  # the exact flavor's own (patch 0012)
+    assert serving.flash_attn_for("cuda:0", "exact") == serving.flash_attn_for("hip:0", "exact") == "off"
     assert "--no-op-offload" not in serving.device_args("vulkan:0", "stock")  # stock: llama.cpp's defaults
     assert serving.flash_attn_for("vulkan:0", "stock") == "auto"
 

@@ -26,10 +26,15 @@ Precision: the exact flavor computes in f32 (stock's wide products use f16-accum
 an fp16 device): width 1 against a double-precision product must be no further from it than stock's
 width 1 (f32 mat-vec), type by type.
 
-Model level: every tiny DeepSeek-V4 preset on vulkan:0, cache-cold prefills of one prompt in
+Flash attention (patch 0012, on in the exact flavor on Vulkan): splits of a fixed size from cell 0,
+forced smaller and with the rows in chunks on lavapipe; its twins are splits sized from the cache
+view (DFLASH_VK_EXACT=plant-fa) and holes that do not fill whole splits.
+
+Model level: tiny DeepSeek-V4 presets on vulkan:0, cache-cold prefills of one prompt in
 fixed-width bands (tests/variant_prefill.py): q1 and bands of 4 and 9 over 40 tokens (F16, Q4_K_M),
-2..64 over 80 tokens and 512 over 520 (MXFP4) must give q1's logits at every position and q1's
-response; with DFLASH_VK_EXACT=0 bands of 9, and with DFLASH_VK_EXACT=plant-fusion q1, must not.
+2..64 over 80 tokens and 9 over 270 (MXFP4; the band at 252..260 crosses a split boundary that q1's
+rows do not) must give q1's logits at every position and q1's response; with DFLASH_VK_EXACT=0
+bands of 9, with plant-fusion q1, and with plant-fa the band of 9 over 270, must not.
 `dflash diff` on Vulkan must call the planted fusion a difference although every tapped node
 agrees. Every preset at 2, 4, 8, 9, 64 over 80 tokens, Gemma 3 270M and `dflash qualify` are the
 by-hand run (benchmarks/vulkan_models.py; README, Vulkan): lavapipe compiles each pipeline on first
@@ -68,7 +73,9 @@ CHECKS = [(["--type", "q4_0"], WIDTHS), (["--type", "mxfp4"], WIDTHS),
           *((["--type", t], NARROWER) for t in ("f32", "f16", "q8_0", "q5_0", "q4_K", "q6_K")),
           *((["--type", t, "--op", "mul_mat_id"], NARROWER) for t in ("f16", "q4_0", "q5_0", "q8_0", "mxfp4")),
           *((["--op", "flash_attn_ext", *shape], NARROWER)
-            for shape in (["--ref-view", "256"], ["--holes", "64"], ["--window", "128", "--sinks"], ["--kv", "1100"],
+            for shape in (["--ref-view", "256"], ["--holes", "256", "--holes-at", "256"],
+                          ["--window", "128", "--sinks"], ["--kv", "1100"],
+                          ["--kv", "200", "--pad", "300", "--ref-view", "256"],
                           ["--kv", "4096", "--ref-view", "256"],
                           ["--head-dim", "64", "--heads", "4", "--kv-heads", "4"])),
           (["--op", "add_rms_norm", "--k", "640"], WIDTHS),
@@ -272,6 +279,38 @@ def test_one_contractible_operation_is_found():
         spirv.float_ops(module[4:], "shifted")
 
 
+def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
+    """Patch 0012: a row's cells are summed in splits of 256 cells from cell 0 at every width and
+    cache size, merged by the split-K reduce in split order, and a row whose cells fit one split
+    finishes in the attention shader with the reduce's own steps (CHECKS: references over 256
+    cells, one split, against batches over 500, two). Forced splits of 64 cells (DFLASH_VK_FA_SPLIT)
+    against width-1 references over one or two splits and batches over five, a cache of 1,100
+    cells, masked holes filling whole splits, sinks and a window, and query rows in
+    chunks (DFLASH_VK_FA_SCRATCH: the scratch for 4,096 cells at 64 rows would pass it) are all
+    identical to width 1. Twins: splits sized from the cache as llama.cpp sizes them
+    (DFLASH_VK_EXACT=plant-fa) differ once the reference's cache view is shorter than the batch's;
+    holes that do not fill whole splits move cells to other splits and differ (the limit: DeepSeek-V4's
+    raw window, the one place llama.cpp puts masked cells before visible ones, starts and ends on
+    multiples of 256 cells); a split size that does not divide 256 is refused."""
+    fa = ["--op", "flash_attn_ext"]
+    split = {"DFLASH_VK_FA_SPLIT": "64"}
+    checks = [[*fa, "--kv", "100", "--pad", "200", "--ref-view", "64"], [*fa, "--kv", "1100", "--ref-view", "256"],
+              [*fa, "--holes", "128", "--holes-at", "192", "--window", "128", "--sinks"]]
+    got = run(harness, checks, env=split, widths=[NARROWER] * len(checks))
+    (chunked,) = run(harness, [[*fa, "--kv", "4096", "--ref-view", "256"]],
+                     env={**split, "DFLASH_VK_FA_SCRATCH": "200000"}, widths=["1,9,64"])
+    bad = [(s["args"], differing(s)) for s in [*got, chunked] if not s["ok"] or differing(s)]
+    assert not bad, bad
+    (planted,) = run(harness, [[*fa, "--kv", "200", "--pad", "300", "--ref-view", "256"]],
+                     env={"DFLASH_VK_EXACT": "plant-fa"}, widths=[NARROWER])
+    assert {9, 64} <= set(differing(planted)), differing(planted)
+    (unaligned,) = run(harness, [[*fa, "--holes", "64"]], widths=["1,512"])  # the middle: cell 320
+    assert differing(unaligned) == [512], differing(unaligned)
+    r = subprocess.run([harness, "--backend", "Vulkan0", *fa, "--widths", "1,2"], capture_output=True,
+                       text=True, timeout=300, env={**ENV, "DFLASH_VK_FA_SPLIT": "96"})
+    assert r.returncode != 0 and "DFLASH_VK_FA_SPLIT=96" in r.stderr
+
+
 def test_a_bad_routing_value_is_one_line(harness):
     r = subprocess.run([harness, "--backend", "Vulkan0", "--type", "f16", "--widths", "1,2"], capture_output=True,
                        text=True, timeout=300, env={**ENV, "DFLASH_VK_EXACT": "maybe"})
@@ -332,6 +371,19 @@ def test_the_f16_and_k_quant_presets_are_bit_identical_to_q1_on_lavapipe(lavapip
     runs = prefill_models([tiny_models[w] for w in presets], "1,4,9", 40)
     bad = {w: differing_widths(runs[str(tiny_models[w])]) for w in presets}
     assert not any(bad.values()), bad
+
+
+def test_flash_attention_splits_are_bit_identical_to_q1_at_model_level(lavapipe, tiny_models):
+    """Flash attention is on in the exact flavor (patch 0012: splits of 256 cells from cell 0). Over
+    270 tokens the band of 9 at positions 252..260 runs over a cache view of 512 cells (two splits,
+    merged by the reduce) where q1's positions 252..255 ran over 256 (one split, finished in the
+    attention shader): every position's logits and the response equal q1's. Twin: splits sized from
+    the cache view (DFLASH_VK_EXACT=plant-fa) give that band other bits."""
+    exact = prefill_widths(tiny_models["mxfp4"], "1,9", 270)
+    assert not differing_widths(exact)
+    assert all(d["flash_attn"] == "on" for d in exact.values()), exact
+    planted = prefill_widths(tiny_models["mxfp4"], "1,9", 270, env={"DFLASH_VK_EXACT": "plant-fa"})
+    assert differing_widths(planted) == [9]
 
 
 def test_the_tiny_deepseek_v4_model_runs_on_stock_vulkan(lavapipe, tiny_models):
@@ -460,7 +512,7 @@ def test_serving_on_vulkan_is_identical_to_solo_cold_runs_and_q1(lavapipe):
     out = json.loads(r.stdout)
     assert out["exact"] is True and "-vulkan0-" in out["system_fingerprint"], out["system_fingerprint"]
     for c in out["configs"]:
-        assert c["config"]["flash_attn"] == "off" and c["config"]["ubatch"] == 16
+        assert c["config"]["flash_attn"] == "on" and c["config"]["ubatch"] == 16
         assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] > 0, c
         # DeepSeek-V4 on Vulkan runs without context checkpoints (dflash/serve.py): its cache cannot
         # be cut, so no request reuses a prefix
@@ -470,8 +522,8 @@ def test_serving_on_vulkan_is_identical_to_solo_cold_runs_and_q1(lavapipe):
 
 
 def test_dflash_serve_on_vulkan_answers_what_q1_computes_and_a_planted_server_does_not(lavapipe):
-    """`dflash serve --device vulkan:0 --ubatch 16`: the fingerprint names the device, no flash
-    attention, ggml's Vulkan backend mapped, and a 40-token prompt's last-position logits and
+    """`dflash serve --device vulkan:0 --ubatch 16`: the fingerprint names the device, flash
+    attention on (patch 0012), ggml's Vulkan backend mapped, and a 40-token prompt's last-position logits and
     response equal `dflash prefill --device vulkan:0` (q1). Twin: the same server on a library that
     plants mat-vec for 2..8 columns (DFLASH_VK_EXACT=plant; the 35-token prompt's last ubatch has 3
     tokens, so its last position's logits come from the planted shader) must answer otherwise. A
@@ -484,7 +536,7 @@ def test_dflash_serve_on_vulkan_answers_what_q1_computes_and_a_planted_server_do
     def ask(*args, env=None):
         s = Serve("--device", "vulkan:0", "--ubatch", "16", *args, env=env)
         try:
-            assert "-vulkan0-" in s.info["system_fingerprint"] and s.info["config"]["flash_attn"] == "off"
+            assert "-vulkan0-" in s.info["system_fingerprint"] and s.info["config"]["flash_attn"] == "on"
             maps = open(f"/proc/{s.llama_server_pid()}/maps").read()
             assert "libggml-vulkan.so" in maps, "llama-server did not load ggml's Vulkan backend"
             r = s.post("/v1/completions", {"prompt": SERVE_PROMPT, "max_tokens": 4, "temperature": 0})

@@ -38,7 +38,9 @@ def main() -> None:
                 print(json.dumps({"model": model, "width": w, "n_tokens": len(tokens), "library": r.library.to_json(),
                                   "widths_run": sorted(set(r.widths)), "logits_sha256": r.logits_sha256,
                                   "response_sha256": r.response_sha256,
-                                  "devices": [d["id"] for d in r.devices]}), flush=True)
+                                  "devices": [d["id"] for d in r.devices],
+                                  "flash_attn": {None: "auto", True: "on", False: "off"}[s.engine.flash_attn]}),
+                      flush=True)
 
 
 if __name__ == "__main__":

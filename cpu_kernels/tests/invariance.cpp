@@ -29,7 +29,8 @@
 // that token alone), while the batches see the whole cache: a row must not depend on how many
 // masked cells follow it. --holes H gives the batches H masked cells in the middle of the cache
 // (DeepSeek-V4 hands attention its raw cells, which grow with the batch, in front of its
-// compressed rows): a row must not depend on where masked cells lie either.
+// compressed rows): a row must not depend on where masked cells lie either; --holes-at C puts
+// them in front of cell C instead of the middle.
 //
 // --backend NAME runs the products on another ggml device (e.g. CUDA0, ROCm0: the GPU check in
 // scripts/gpu-check); weights then live in that device's buffer type and --placement is ignored.
@@ -118,6 +119,7 @@ struct Options {
     float softcap = 0.0f;
     int ref_view = 0; // > 0: a width-1 reference sees the cache cut after its own cell, padded to a multiple of this
     int holes = 0;    // > 0: the batches see this many masked cells inserted in the middle of the cache
+    int holes_at = -1; // the cell the holes go in front of (-1: kv / 2)
     int zero_tail = 0; // > 0 (mul_mat): every width runs over K + zero_tail, the extra activations 0
     std::vector<int> widths = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 257, 512};
     unsigned seed = 42;
@@ -199,6 +201,7 @@ Options parse(const std::vector<std::string> & args) {
         else if (a == "--sinks") o.sinks = true;
         else if (a == "--ref-view") o.ref_view = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--holes") o.holes = parse_int(a, val(), 0, 1 << 20);
+        else if (a == "--holes-at") o.holes_at = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--zero-tail") o.zero_tail = parse_int(a, val(), 0, 1 << 20);
         else if (a == "--softcap") {
             const char * s = val();
@@ -232,7 +235,8 @@ Options parse(const std::vector<std::string> & args) {
         if (o.heads % o.kv_heads) usage("--heads must be a multiple of --kv-heads");
         if (o.placement != "auto") usage("--placement applies to mul_mat and mul_mat_id (the KV cache is plain memory)");
         if (o.holes && o.plant) usage("--holes and --plant are two different twins: one at a time");
-    } else if (o.ref_view || o.holes) {
+        if (o.holes_at > o.kv) usage("--holes-at must be a cell of the cache (0 to --kv)");
+    } else if (o.ref_view || o.holes || o.holes_at >= 0) {
         usage("--ref-view and --holes apply to flash_attn_ext");
     }
     return o;
@@ -850,13 +854,15 @@ int run_flash_attn(const Options & o) {
     a.upload(main_cache, kq, vq, sinks, ident);
     if (o.plant) a.upload(planted_cache, kq, vq, sinks, perm);
     // --holes: the batches' cache has masked cells in the middle (as DeepSeek-V4's raw cells
-    // grow in front of its compressed rows with the batch): [0, kv/2), holes, [kv/2, kv + pad)
+    // grow in front of its compressed rows with the batch): [0, at), holes, [at, kv + pad), at =
+    // --holes-at (default kv/2; DeepSeek-V4's raw view holds whole multiples of 256 cells)
     Attention holey(o, type, dev, max_w, o.holes);
     std::vector<int64_t> hperm;
     if (o.holes) {
-        for (int64_t p = 0; p < o.kv / 2; p++) hperm.push_back(p);
+        const int64_t at = o.holes_at >= 0 ? o.holes_at : o.kv / 2;
+        for (int64_t p = 0; p < at; p++) hperm.push_back(p);
         for (int64_t p = 0; p < o.holes; p++) hperm.push_back(-1);
-        for (int64_t p = o.kv / 2; p < n_kv; p++) hperm.push_back(p);
+        for (int64_t p = at; p < n_kv; p++) hperm.push_back(p);
         holey.upload(holey_cache, kq, vq, sinks, hperm);
     }
 

@@ -82,10 +82,13 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("GGML_CUDA_AR_BF16_THRESHOLD", "ggml/src/ggml-cuda/allreduce.cu:435",
               "from which size the all-reduce sends BF16", "gpu"),
     EnvSwitch("DFLASH_VK_EXACT", f"{_VK_EXACT}:16",
-              "0: llama.cpp's own Vulkan routing in the exact build; plant, plant-fusion, plant-kpar: planted bugs",
+              "0: llama.cpp's own Vulkan routing in the exact build; plant, plant-fusion, plant-kpar, plant-fa: "
+              "planted bugs",
               "gpu"),
     EnvSwitch("DFLASH_VK_KPAR_CHUNKS", "vulkan_kernels/patches/exact/0006-ggml-vulkan-k-parallel-narrow.patch:20",
               "Vulkan exact narrow products: chunks of a row computed side by side (another geometry)", "gpu"),
+    EnvSwitch("DFLASH_VK_FA_SPLIT", "vulkan_kernels/patches/exact/0012-ggml-vulkan-fa-fixed-splits.patch:41",
+              "Vulkan exact flash attention: another split size in cells (another sum of a row's cells)", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT", f"{_VK}:4060", "Vulkan: no cooperative-matrix shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2", f"{_VK}:4068", "Vulkan: no NV cooperative-matrix-2 shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2_DECODE_VECTOR", f"{_VK}:4072", "Vulkan: another coopmat2 dequant path", "gpu"),
@@ -121,6 +124,9 @@ ENV_IGNORED = frozenset({
     "LLAMA_TRACE", "LLAMA_DSV4_COMPRESS_DEBUG",
     "GGML_CUDA_ENABLE_UNIFIED_MEMORY", "GGML_CUDA_P2P", "GGML_CUDA_NO_PINNED", "GGML_CUDA_REGISTER_HOST",
     "DFLASH_RPC_BUILD_ID",
+    # the exact Vulkan flavor's flash-attention scratch bound: how many query rows one dispatch takes
+    # (a row's arithmetic is the same in any chunk; tests/test_vulkan.py lowers it)
+    "DFLASH_VK_FA_SCRATCH",
     # ggml-vulkan: queues, submission, memory placement, logging, debug-build checks; the devices it
     # lists (dflash sets GGML_VK_VISIBLE_DEVICES from --device vulkan:N, and records key the device)
     "GGML_VK_ALLOW_GRAPHICS_QUEUE", "GGML_VK_ALLOW_SYSMEM_FALLBACK", "GGML_VK_ASYNC_USE_TRANSFER_QUEUE",

@@ -289,9 +289,10 @@ def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
     chunks (DFLASH_VK_FA_SCRATCH: the scratch for 4,096 cells at 64 rows would pass it) are all
     identical to width 1. Twins: splits sized from the cache as llama.cpp sizes them
     (DFLASH_VK_EXACT=plant-fa) differ once the reference's cache view is shorter than the batch's;
-    holes that do not fill whole splits move cells to other splits and differ (the limit: DeepSeek-V4's
-    raw window, the one place llama.cpp puts masked cells before visible ones, starts and ends on
-    multiples of 256 cells); a split size that does not divide 256 is refused."""
+    holes that do not fill whole splits move cells to other splits and differ (the limit: a row's
+    visible cells must keep their offsets from the split grid; the one cache view llama.cpp starts at
+    a cell that depends on the batch, DeepSeek-V4's raw window ahead of its compressed rows, starts
+    and ends on multiples of 256 cells); a split size that does not divide 256 is refused."""
     fa = ["--op", "flash_attn_ext"]
     split = {"DFLASH_VK_FA_SPLIT": "64"}
     checks = [[*fa, "--kv", "100", "--pad", "200", "--ref-view", "64"], [*fa, "--kv", "1100", "--ref-view", "256"],

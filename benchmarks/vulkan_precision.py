@@ -14,8 +14,12 @@ KV cache and attention without flash attention (llama.cpp's defaults, an f16 cac
 attention, round every query and every cell to f16 inside attention on the CPU, as stock Vulkan's
 f16 attention does on a device with f16, and the exact flavor's f32 attention does not; with flash
 attention llama.cpp casts an f32 cache back to f16): a reference nearer the true attention, to
-tell whose error the distance is. Not a test:
-nothing is asserted.
+tell whose error the distance is. `--cpu-weights f32` gives it the model's weights dequantized to
+F32 (llama.cpp's own quantizer, ftype ALL_F32: every value the quantized file holds, exactly):
+with F32 weights the CPU backend keeps the activations in f32, where with quantized weights it
+rounds them to 8 bits (Q8_K, Q8_0) before every product, an error that outweighs either Vulkan
+flavor's own; with `--cpu-cache f32` as well the reference computes the same function in f32
+throughout. Not a test: nothing is asserted.
 """
 from __future__ import annotations
 
@@ -34,11 +38,19 @@ sys.path.insert(0, str(ROOT))
 RUNS = (("exact", "cpu"), ("exact", "vulkan:0"), ("stock", "vulkan:0"))
 
 
-def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str, cache: str) -> None:
-    from dflash import diff, engine, sweep
+def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str, cache: str,
+          weights: str) -> None:
+    from dflash import diff, engine, llama, sweep
     from dflash.bands import from_widths
     from dflash.session import Session
+    from dflash.settings import resolve
 
+    if weights == "f32" and device == "cpu":  # the same model with its weights dequantized to F32
+        assert model is not None  # main() refuses --cpu-weights f32 without --model
+        engine.load_library(resolve({}, lib=lib))  # the library whose quantizer writes the copy
+        f32 = str(Path(out).with_suffix(".f32.gguf"))
+        llama.quantize(model, f32, 0, requantize=True)  # LLAMA_FTYPE_ALL_F32
+        model = f32
     with Session(model, lib=lib, device=device, threads=threads, bands=False) as s:
         if cache == "f32" and device == "cpu":  # the reference's K and V cache in f32 (GGML_TYPE_F32 = 0)
             import llama_cpp
@@ -67,18 +79,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-cache", choices=("f16", "f32"), default="f16",
                     help="the CPU reference's KV cache type [default: f16, llama.cpp's]")
+    ap.add_argument("--cpu-weights", choices=("model", "f32"), default="model",
+                    help="the CPU reference's weights: the model's own, or dequantized to F32 [default: model]")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures to this file")
     ap.add_argument("--child", nargs=3, metavar=("LIB", "DEVICE", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.cpu_weights == "f32" and not a.model:
+        ap.error("--cpu-weights f32 needs --model (the tiny model's presets are files of their own)")
     if a.child:
-        child(a.model, a.child[0], a.child[1], a.tokens, a.threads, a.child[2], a.cpu_cache)
+        child(a.model, a.child[0], a.child[1], a.tokens, a.threads, a.child[2], a.cpu_cache, a.cpu_weights)
         return
     logits = {}
     with tempfile.TemporaryDirectory(prefix="dflash-precision-") as tmp:
         for lib, device in RUNS:  # one library per process, one process at a time
             out = str(Path(tmp) / f"{lib}-{device.replace(':', '')}.npy")
             cmd = [sys.executable, __file__, "--tokens", str(a.tokens), "--threads", str(a.threads),
-                   "--cpu-cache", a.cpu_cache, "--child", lib, device, out] + (["--model", a.model] if a.model else [])
+                   "--cpu-cache", a.cpu_cache, "--cpu-weights", a.cpu_weights, "--child", lib, device, out]
+            cmd += ["--model", a.model] if a.model else []
             subprocess.run(cmd, check=True, cwd=ROOT)
             logits[(lib, device)] = np.load(out).astype(np.float64)
     ref = logits[("exact", "cpu")]
@@ -86,7 +103,8 @@ def main() -> None:
     for lib, device in RUNS[1:]:
         x = logits[(lib, device)]
         d = x - ref
-        rows.append({"lib": lib, "device": device, "reference": f"exact cpu, {a.cpu_cache} cache",
+        reference = f"exact cpu, {a.cpu_weights} weights, {a.cpu_cache} cache"
+        rows.append({"lib": lib, "device": device, "reference": reference,
                      "positions": int(ref.shape[0]),
                      "max_abs_diff": float(np.abs(d).max()), "rms_diff": float(np.sqrt((d * d).mean())),
                      "argmax_positions_differing": int((x.argmax(axis=1) != ref.argmax(axis=1)).sum())})

@@ -82,12 +82,12 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("GGML_CUDA_AR_BF16_THRESHOLD", "ggml/src/ggml-cuda/allreduce.cu:435",
               "from which size the all-reduce sends BF16", "gpu"),
     EnvSwitch("DFLASH_VK_EXACT", f"{_VK_EXACT}:16",
-              "0: llama.cpp's own Vulkan routing in the exact build; plant, plant-fusion, plant-kpar, plant-fa: "
-              "planted bugs",
+              "0: llama.cpp's own Vulkan routing in the exact build; plant, plant-fusion, plant-kpar, plant-fa, "
+              "plant-chunk: planted bugs",
               "gpu"),
     EnvSwitch("DFLASH_VK_KPAR_CHUNKS", "vulkan_kernels/patches/exact/0006-ggml-vulkan-k-parallel-narrow.patch:20",
               "Vulkan exact narrow products: chunks of a row computed side by side (another geometry)", "gpu"),
-    EnvSwitch("DFLASH_VK_FA_SPLIT", "vulkan_kernels/patches/exact/0012-ggml-vulkan-fa-fixed-splits.patch:41",
+    EnvSwitch("DFLASH_VK_FA_SPLIT", "vulkan_kernels/patches/exact/0012-ggml-vulkan-fa-fixed-splits.patch:43",
               "Vulkan exact flash attention: another split size in cells (another sum of a row's cells)", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT", f"{_VK}:4060", "Vulkan: no cooperative-matrix shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2", f"{_VK}:4068", "Vulkan: no NV cooperative-matrix-2 shaders", "gpu"),

@@ -153,13 +153,15 @@ def _last_log() -> str:
     return _LOG[-1] if _LOG else "no message from llama.cpp"
 
 
-def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: int) -> None:
+def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: int, requantize: bool = False) -> None:
     """Quantize the GGUF `src` to the llama_ftype `ftype` with llama.cpp's own quantizer, one
-    thread (deterministic), into `dst`."""
+    thread (deterministic), into `dst`. `requantize` lets it start from quantized tensors (ftype 0,
+    all F32, then writes each tensor's exact dequantization)."""
     L = _lib()
     params = L.llama_model_quantize_default_params()
     params.nthread = 1
     params.ftype = ftype
+    params.allow_requantize = requantize
     _LOG.clear()
     stage(f"quantization of {src}")
     rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))

@@ -28,7 +28,8 @@ width 1 (f32 mat-vec), type by type.
 
 Flash attention (patch 0012, on in the exact flavor on Vulkan): splits of a fixed size from cell 0,
 forced smaller and with the rows in chunks on lavapipe; its twins are splits sized from the cache
-view (DFLASH_VK_EXACT=plant-fa) and holes that do not fill whole splits.
+view (DFLASH_VK_EXACT=plant-fa), chunks of rows reading the first chunk's mask rows (plant-chunk)
+and holes that do not fill whole splits.
 
 Model level: tiny DeepSeek-V4 presets on vulkan:0, cache-cold prefills of one prompt in
 fixed-width bands (tests/variant_prefill.py): q1 and bands of 4 and 9 over 40 tokens (F16, Q4_K_M),
@@ -289,6 +290,7 @@ def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
     chunks (DFLASH_VK_FA_SCRATCH: the scratch for 4,096 cells at 64 rows would pass it) are all
     identical to width 1. Twins: splits sized from the cache as llama.cpp sizes them
     (DFLASH_VK_EXACT=plant-fa) differ once the reference's cache view is shorter than the batch's;
+    chunks of rows that all read the first chunk's mask rows (plant-chunk) differ at 64;
     holes that do not fill whole splits move cells to other splits and differ (the limit: a row's
     visible cells must keep their offsets from the split grid; the one cache view llama.cpp starts at
     a cell that depends on the batch, DeepSeek-V4's raw window ahead of its compressed rows, starts
@@ -302,6 +304,9 @@ def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
                      env={**split, "DFLASH_VK_FA_SCRATCH": "200000"}, widths=["1,9,64"])
     bad = [(s["args"], differing(s)) for s in [*got, chunked] if not s["ok"] or differing(s)]
     assert not bad, bad
+    misview = {**split, "DFLASH_VK_FA_SCRATCH": "200000", "DFLASH_VK_EXACT": "plant-chunk"}
+    (misviewed,) = run(harness, [[*fa, "--kv", "4096", "--ref-view", "256"]], env=misview, widths=["1,9,64"])
+    assert 64 in differing(misviewed), differing(misviewed)
     (planted,) = run(harness, [[*fa, "--kv", "200", "--pad", "300", "--ref-view", "256"]],
                      env={"DFLASH_VK_EXACT": "plant-fa"}, widths=[NARROWER])
     assert {9, 64} <= set(differing(planted)), differing(planted)

@@ -89,6 +89,8 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
               "Vulkan exact narrow products: chunks of a row computed side by side (another geometry)", "gpu"),
     EnvSwitch("DFLASH_VK_FA_SPLIT", "vulkan_kernels/patches/exact/0012-ggml-vulkan-fa-fixed-splits.patch:43",
               "Vulkan exact flash attention: another split size in cells (another sum of a row's cells)", "gpu"),
+    EnvSwitch("DFLASH_VK_FA_ROWS", "vulkan_kernels/patches/exact/0013-ggml-vulkan-fa-rows-per-workgroup.patch:17",
+              "Vulkan exact flash attention: the most query rows per workgroup (another geometry)", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT", f"{_VK}:4060", "Vulkan: no cooperative-matrix shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2", f"{_VK}:4068", "Vulkan: no NV cooperative-matrix-2 shaders", "gpu"),
     EnvSwitch("GGML_VK_DISABLE_COOPMAT2_DECODE_VECTOR", f"{_VK}:4072", "Vulkan: another coopmat2 dequant path", "gpu"),

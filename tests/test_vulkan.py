@@ -286,7 +286,8 @@ def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
     finishes in the attention shader with the reduce's own steps (CHECKS: references over 256
     cells, one split, against batches over 500, two). Forced splits of 64 cells (DFLASH_VK_FA_SPLIT)
     against width-1 references over one or two splits and batches over five, a cache of 1,100
-    cells, masked holes filling whole splits, sinks and a window, and query rows in
+    cells, masked holes filling whole splits, sinks and a window (each with lavapipe's one query row
+    per workgroup and with a GPU's up to 8, DFLASH_VK_FA_ROWS; patch 0013), and query rows in
     chunks (DFLASH_VK_FA_SCRATCH: the scratch for 4,096 cells at 64 rows would pass it) are all
     identical to width 1. Twins: splits sized from the cache as llama.cpp sizes them
     (DFLASH_VK_EXACT=plant-fa) differ once the reference's cache view is shorter than the batch's;
@@ -294,12 +295,15 @@ def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
     holes that do not fill whole splits move cells to other splits and differ (the limit: a row's
     visible cells must keep their offsets from the split grid; the one cache view llama.cpp starts at
     a cell that depends on the batch, DeepSeek-V4's raw window ahead of its compressed rows, starts
-    and ends on multiples of 256 cells); a split size that does not divide 256 is refused."""
+    and ends on multiples of 256 cells); a split size that does not divide 256 and a row count that
+    is not 1, 2, 4 or 8 are refused."""
     fa = ["--op", "flash_attn_ext"]
     split = {"DFLASH_VK_FA_SPLIT": "64"}
     checks = [[*fa, "--kv", "100", "--pad", "200", "--ref-view", "64"], [*fa, "--kv", "1100", "--ref-view", "256"],
               [*fa, "--holes", "128", "--holes-at", "192", "--window", "128", "--sinks"]]
-    got = run(harness, checks, env=split, widths=[NARROWER] * len(checks))
+    got = [s for rows in ("", "8") for s in  # the device's most rows per workgroup (1 on lavapipe), a GPU's
+           run(harness, checks, env={**split, **({"DFLASH_VK_FA_ROWS": rows} if rows else {})},
+               widths=[NARROWER] * len(checks))]
     (chunked,) = run(harness, [[*fa, "--kv", "4096", "--ref-view", "256"]],
                      env={**split, "DFLASH_VK_FA_SCRATCH": "200000"}, widths=["1,9,64"])
     bad = [(s["args"], differing(s)) for s in [*got, chunked] if not s["ok"] or differing(s)]
@@ -312,9 +316,11 @@ def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
     assert {9, 64} <= set(differing(planted)), differing(planted)
     (unaligned,) = run(harness, [[*fa, "--holes", "64"]], widths=["1,512"])  # the middle: cell 320
     assert differing(unaligned) == [512], differing(unaligned)
-    r = subprocess.run([harness, "--backend", "Vulkan0", *fa, "--widths", "1,2"], capture_output=True,
-                       text=True, timeout=300, env={**ENV, "DFLASH_VK_FA_SPLIT": "96"})
-    assert r.returncode != 0 and "DFLASH_VK_FA_SPLIT=96" in r.stderr
+    for bad_env in ({"DFLASH_VK_FA_SPLIT": "96"}, {"DFLASH_VK_FA_ROWS": "3"}):
+        r = subprocess.run([harness, "--backend", "Vulkan0", *fa, "--widths", "1,2"], capture_output=True,
+                           text=True, timeout=300, env={**ENV, **bad_env})
+        ((name, value),) = bad_env.items()
+        assert r.returncode != 0 and f"{name}={value}" in r.stderr, r.stderr[-500:]
 
 
 def test_a_bad_routing_value_is_one_line(harness):
@@ -383,11 +389,15 @@ def test_flash_attention_splits_are_bit_identical_to_q1_at_model_level(lavapipe,
     """Flash attention is on in the exact flavor (patch 0012: splits of 256 cells from cell 0). Over
     270 tokens the band of 9 at positions 252..260 runs over a cache view of 512 cells (two splits,
     merged by the reduce) where q1's positions 252..255 ran over 256 (one split, finished in the
-    attention shader): every position's logits and the response equal q1's. Twin: splits sized from
-    the cache view (DFLASH_VK_EXACT=plant-fa) give that band other bits."""
+    attention shader): every position's logits and the response equal q1's, with lavapipe's one
+    query row per workgroup and with a GPU's up to 8 (DFLASH_VK_FA_ROWS=8: the band's rows share
+    workgroups; patch 0013). Twin: splits sized from the cache view (DFLASH_VK_EXACT=plant-fa) give
+    that band other bits."""
     exact = prefill_widths(tiny_models["mxfp4"], "1,9", 270)
     assert not differing_widths(exact)
     assert all(d["flash_attn"] == "on" for d in exact.values()), exact
+    gpu_rows = prefill_widths(tiny_models["mxfp4"], "1,9", 270, env={"DFLASH_VK_FA_ROWS": "8"})
+    assert [d["logits_sha256"] for d in gpu_rows.values()] == [d["logits_sha256"] for d in exact.values()]
     planted = prefill_widths(tiny_models["mxfp4"], "1,9", 270, env={"DFLASH_VK_EXACT": "plant-fa"})
     assert differing_widths(planted) == [9]
 

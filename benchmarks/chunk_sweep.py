@@ -15,12 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash import (
-    Session,  # noqa: E402
-    stats,  # noqa: E402
-)
-from dflash import prefill as P  # noqa: E402
-from dflash import settings as S  # noqa: E402
+from dflash import Session
+from dflash.core import settings as S
+from dflash.core import stats
+from dflash.run import prefill as P
 
 
 def main() -> int:

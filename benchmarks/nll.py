@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from dflash import bands as B  # noqa: E402
-from dflash import build  # noqa: E402
-from dflash.errors import DflashError, UsageError  # noqa: E402
-from dflash.settings import ENV_LIB_DIR, LIBS  # noqa: E402
+from dflash.core.errors import DflashError, UsageError
+from dflash.core.settings import ENV_LIB_DIR, LIBS
+from dflash.native import build
+from dflash.run import bands as B
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 REAL_MODEL = build.cache_root() / "models" / "real" / "gemma-3-270m-q4_k_m.gguf"
@@ -52,7 +52,8 @@ def mean_nll(logits: np.ndarray, tokens: list[int], rows: int = 32) -> float:
 
 def worker(a) -> dict:
     """In this process: load the library, prefill, compute the NLL."""
-    from dflash import Session, Settings, prefill
+    from dflash import Session, Settings
+    from dflash.run import prefill
     session = Session(a.model, lib=a.worker, bands=True, threads=a.threads, settings=Settings.from_env(lib=a.worker),
                       build=True)
     eng = session.engine

@@ -38,9 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dflash import serve as ds  # noqa: E402
-from dflash import serve_workload as wl  # noqa: E402
-from dflash import serving, settings  # noqa: E402
-from dflash.fileio import write_atomic  # noqa: E402
+from dflash.core import settings  # noqa: E402
+from dflash.core.fileio import write_atomic  # noqa: E402
+from dflash.serving import serve_config  # noqa: E402
+from dflash.serving import serve_workload as wl  # noqa: E402
 
 
 def _calls(mode: str, n: int, prefix_words: int, max_tokens: int, seed: int) -> list[wl.Call]:
@@ -152,7 +153,7 @@ def bench_round(libs: list[str], urls: dict[str, str], r: int, a: argparse.Names
 def bench(libs: list[str], a: argparse.Namespace) -> list[list[dict]]:
     """Both libraries' servers up at once (one computes at a time: the rows run one after another),
     `a.rounds` rounds; per round and library its rows and cache probe."""
-    config = serving.ServeConfig(a.parallel, a.ubatch, a.ctx, a.threads)
+    config = serve_config.ServeConfig(a.parallel, a.ubatch, a.ctx, a.threads)
     with contextlib.ExitStack() as stack:
         urls, meta = {}, {}
         for lib in libs:

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cpu_variants import gemma_path  # noqa: E402
-from dflash.fileio import write_atomic  # noqa: E402
-from dflash.paths import cache_root  # noqa: E402
+from dflash.core.fileio import write_atomic  # noqa: E402
+from dflash.core.paths import cache_root  # noqa: E402
 
 PRESETS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m", "q6_k", "mxfp4")
 

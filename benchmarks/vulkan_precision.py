@@ -40,10 +40,13 @@ RUNS = (("exact", "cpu"), ("exact", "vulkan:0"), ("stock", "vulkan:0"))
 
 def child(model: str | None, lib: str, device: str, tokens: int, threads: int, out: str, cache: str,
           weights: str) -> None:
-    from dflash import diff, engine, llama, sweep
-    from dflash.bands import from_widths
+    from dflash.compare import sweep
+    from dflash.core.settings import resolve
+    from dflash.native import llama
+    from dflash.proof import diff
+    from dflash.run import engine
+    from dflash.run.bands import from_widths
     from dflash.session import Session
-    from dflash.settings import resolve
 
     if weights == "f32" and device == "cpu":  # the same model with its weights dequantized to F32
         assert model is not None  # main() refuses --cpu-weights f32 without --model

@@ -1,8 +1,8 @@
 # The GPU branch of cmake/llama.cmake (included when DFLASH_GPU is hip, cuda or vulkan): the options
 # and patches of ggml's HIP, CUDA and Vulkan backends. A file of its own, so that only GPU builds are keyed by
-# it (dflash/build.py): editing it rebuilds no CPU library.
+# it (dflash/native/build.py): editing it rebuilds no CPU library.
 # Its one option of its own, DFLASH_CUDA_LIBS (-DDFLASH_CUDA_LIBS=<folder>, what `dflash build --gpu cuda`
-# passes): cuBLAS, the CUDA runtime and a driver link stub from NVIDIA's wheels (dflash/cuda_libs.py).
+# passes): cuBLAS, the CUDA runtime and a driver link stub from NVIDIA's wheels (dflash/native/cuda_libs.py).
 if(DFLASH_GPU STREQUAL "hip")
   # ROCm's clang must be the HIP compiler; CMAKE_HIP_PLATFORM=amd keeps nvcc on PATH from winning.
   # GPU_TARGETS is a list: pass it with '|' as the separator ExternalProject turns back into ';'.
@@ -28,7 +28,7 @@ elseif(DFLASH_GPU STREQUAL "cuda")
   # CUDA switch (GGML_DFLASH_MMVQ_CUDA), so the dflash kernels take the narrow products there too.
   string(REPLACE ";" "|" _cuda_archs "${CUDA_ARCHITECTURES}")
   list(APPEND _llama_args -DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${_cuda_archs}" -DGGML_CUDA_FA=OFF)
-  # DFLASH_CUDA_LIBS (dflash/cuda_libs.py): cuBLAS and the runtime from NVIDIA's wheels, cuBLAS's
+  # DFLASH_CUDA_LIBS (dflash/native/cuda_libs.py): cuBLAS and the runtime from NVIDIA's wheels, cuBLAS's
   # headers, and a link stub of the driver. FindCUDAToolkit is handed each library, so a toolkit
   # without cuBLAS links; the libraries run from that folder (run path, with $ORIGIN for their
   # siblings), the driver's own libcuda.so.1 from the system (the stub is never on a run path).

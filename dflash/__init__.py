@@ -14,20 +14,21 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .core.paths import VERSION as __version__
 
 _PUBLIC = {
-    "Session": "session", "Token": "session", "Settings": "settings", "Worker": "worker",
-    "PrefillResult": "results", "BenchResult": "results", "QualifyResult": "results", "MemoryResult": "results",
-    "DflashError": "errors", "UsageError": "errors", "ModelError": "errors", "LlamaError": "errors",
-    "LibraryNotBuilt": "errors", "NotExactError": "errors", "NoDeviceError": "errors",
+    "Session": "session", "Token": "session", "Settings": "core.settings", "Worker": "worker",
+    "PrefillResult": "core.results", "BenchResult": "core.results", "QualifyResult": "core.results",
+    "MemoryResult": "core.results", "DflashError": "core.errors", "UsageError": "core.errors",
+    "ModelError": "core.errors", "LlamaError": "core.errors", "LibraryNotBuilt": "core.errors",
+    "NotExactError": "core.errors", "NoDeviceError": "core.errors",
 }
 __all__ = ["__version__", "Session", "Token", "Settings", "Worker", "PrefillResult", "BenchResult", "QualifyResult",
            "MemoryResult", "DflashError", "UsageError", "ModelError", "LlamaError", "LibraryNotBuilt", "NotExactError",
            "NoDeviceError"]
 
 if TYPE_CHECKING:
-    from .errors import (
+    from .core.errors import (
         DflashError,
         LibraryNotBuilt,
         LlamaError,
@@ -36,9 +37,9 @@ if TYPE_CHECKING:
         NotExactError,
         UsageError,
     )
-    from .results import BenchResult, MemoryResult, PrefillResult, QualifyResult
+    from .core.results import BenchResult, MemoryResult, PrefillResult, QualifyResult
+    from .core.settings import Settings
     from .session import Session, Token
-    from .settings import Settings
     from .worker import Worker
 
 

@@ -1,13 +1,14 @@
 """The `dflash` entry point: commands that load llama.cpp run in a supervised worker process.
 
-The parent imports only this, dflash/supervisor.py and dflash/stage.py; the worker (the same
+The parent imports only this, dflash/run/supervisor.py and dflash/core/stage.py; the worker (the same
 command line, run as `python -m dflash ...` with DFLASH_WORKER set) imports the CLI and runs it.
 """
 from __future__ import annotations
 
 import sys
 
-from . import stage, supervisor
+from dflash.core import stage
+from dflash.run import supervisor
 
 SUPERVISED = frozenset({"prefill", "bench", "qualify", "diff", "tiny-model", "devices", "kernels",
                         "rpc-server", "memory"})
@@ -26,7 +27,7 @@ def worker_command(argv: list[str]) -> str | None:
 
 def run_cli(argv: list[str]) -> None:
     """Run the CLI in this process (a worker, or a command that loads no llama.cpp)."""
-    from .cli import main as cli_main
+    from dflash.cli import main as cli_main
     try:
         cli_main(argv)
     except SystemExit as e:

@@ -18,13 +18,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import build, devices, engine, gguf_meta, proofs, serve_record, server, serving, tiny_model
-from . import serve_workload as workload
-from .errors import LibraryNotBuilt, UsageError, arg
-from .provenance import default_evidence_dir, file_sha256
-from .serve_check import ServeQualifyResult, Target, prefill_with, qualify_serve
-from .session import Session
-from .settings import AUTO, FIXED, Settings
+from dflash.core.errors import LibraryNotBuilt, UsageError, arg
+from dflash.core.settings import AUTO, FIXED, Settings
+from dflash.core.sha_cache import file_sha256
+from dflash.model import gguf_meta, tiny_model
+from dflash.native import build, devices, library_id
+from dflash.proof import records
+from dflash.proof.provenance import default_evidence_dir
+from dflash.run import engine
+from dflash.serving import serve_config, serve_record, server
+from dflash.serving import serve_workload as workload
+from dflash.serving.serve_check import ServeQualifyResult, Target, prefill_with, qualify_serve
+from dflash.session import Session
 
 Say = Callable[[str], None]
 MAX_BODY_BYTES = 16 << 20  # the largest request body llama-server accepts from dflash serve (413 above)
@@ -56,13 +61,13 @@ class ServeTarget:
 
     @property
     def flash_attn(self) -> str:
-        return serving.flash_attn_for(self.check.device, self.check.flavor)
+        return serve_config.flash_attn_for(self.check.device, self.check.flavor)
 
     @property
     def record_path(self) -> Path:
         return serve_record.record_path(self.identity)
 
-    def server(self, config: serving.ServeConfig, host: str = "127.0.0.1", port: int | None = None,
+    def server(self, config: serve_config.ServeConfig, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, log_line: Say = _quiet) -> server.Server:
         """A llama-server for `config` (not started: use it as a context manager, or start())."""
         return self.check.make_server(config, self.env, host, port, api_key, log_line)
@@ -92,8 +97,8 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
         engine.load_library(s, log, gpu, build_missing=build_missing)  # its quantizer writes the preset
     path = engine.resolve_model(model, weights)
     if model is not None:
-        proofs.model_file(model, weights)  # a readable GGUF, or a one-line error
-    _, library_key = proofs.library_key(s, kind)
+        records.model_file(model, weights)  # a readable GGUF, or a one-line error
+    _, library_key = library_id.library_key(s, kind)
     check = Target(str(binary), str(lib_dir), str(path), lib, library_key, build.server_key(),
                    file_sha256(str(path)), str(spec), tuple(extra), label)
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SERVER_ENV_PREFIX)}
@@ -101,8 +106,8 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
                 "DFLASH_SYSTEM_FINGERPRINT": check.fingerprint, "DFLASH_MAX_BODY_BYTES": str(MAX_BODY_BYTES)})
     if kind == "vulkan":
         env["GGML_VK_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_ids)
-    env.pop(serving.CHECKPOINT_ENV, None)
-    every = serving.checkpoint_every(gguf_meta.read(path).compress_ratios)
+    env.pop(serve_config.CHECKPOINT_ENV, None)
+    every = serve_config.checkpoint_every(gguf_meta.read(path).compress_ratios)
     if every and kind == "vulkan":
         # a DeepSeek-V4 context restored from a checkpoint on ggml-vulkan computes the next tokens
         # with other bits than the run that made the checkpoint (measured on lavapipe: the same
@@ -111,20 +116,20 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
         # request re-evaluates its whole prompt
         check = replace(check, checkpoints=False)
     elif every:
-        env[serving.CHECKPOINT_ENV] = str(every)
+        env[serve_config.CHECKPOINT_ENV] = str(every)
     return ServeTarget(check, s, weights, model, env)
 
 
 def _prefill_width(t: ServeTarget) -> int:
     """The widest width the prefill record proves in fixed-width runs (those cross compressor
     boundaries, as llama-server's batches do), 1 without one."""
-    q = proofs.lookup(t.settings, AUTO, t.given_model, t.weights, t.check.device, _quiet, _quiet)
+    q = records.lookup(t.settings, AUTO, t.given_model, t.weights, t.check.device, _quiet, _quiet)
     return q.width if q is not None and q.mode == FIXED else 1
 
 
 def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, ctx: int, threads: int,
                   allow_inexact: bool = False, note: Say = _quiet,
-                  ) -> tuple[serving.ServeConfig, serve_record.Entry | None]:
+                  ) -> tuple[serve_config.ServeConfig, serve_record.Entry | None]:
     """The configuration `dflash serve` runs and the serve record entry that vouches for it (None:
     none does). Without --parallel/--ubatch: the configuration of the record's exact entry with
     the most slots, else one slot and the prefill record's width. A --parallel or --ubatch no entry
@@ -144,7 +149,7 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
         if fits:
             base = fits[-1].config
         else:
-            base = serving.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads, t.flash_attn)
+            base = serve_config.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads, t.flash_attn)
     config = replace(base, ctx=ctx, threads=threads)
     entry = serve_record.find(record, config)
     if entry is None and not allow_inexact:
@@ -166,9 +171,9 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
 def qualify(t: ServeTarget, parallels: Sequence[int], ubatch: int, ctx: int, threads: int,
             shape: workload.Shape, evidence_dir: str | os.PathLike[str] | None = None,
             argv: list[str] | None = None, log: Say = _quiet, log_line: Say = _quiet) -> ServeQualifyResult:
-    """Run the serve qualification (dflash/serve_check.py) for each --parallel value; dflash prefill
+    """Run the serve qualification (dflash/serving/serve_check.py) for each --parallel value; dflash prefill
     runs in this process on the same flavor's library."""
-    configs = [serving.ServeConfig(p, ubatch, ctx, threads, t.flash_attn) for p in parallels]
+    configs = [serve_config.ServeConfig(p, ubatch, ctx, threads, t.flash_attn) for p in parallels]
     out = Path(evidence_dir) if evidence_dir else default_evidence_dir("serve-qualify")
     with Session(t.given_model, weights=t.weights, lib=t.check.flavor, device=t.check.device, threads=threads,
                  bands=False, settings=t.settings, build=True, log=log) as session:

@@ -11,14 +11,14 @@ typed result. A Session
   * reads no environment and writes none after the library is loaded: the flags come from
     `settings` (Settings.from_env() reads them, as the CLI does; default: none set). Only the
     qualification records look at the process environment: the kernel switches llama.cpp itself
-    reads there (GGML_CPU_TILED_MM, ...; dflash/graph_switches.py) are part of a record's key;
+    reads there (GGML_CPU_TILED_MM, ...; dflash/native/graph_switches.py) are part of a record's key;
   * builds nothing unless asked: a library that is not built raises LibraryNotBuilt naming
     `dflash build` (build=True builds it, as the CLI does);
-  * chooses the width in one place (dflash/choice.py): chunk 1..4, or N > 4 and "auto" from the
+  * chooses the width in one place (dflash/proof/choice.py): chunk 1..4, or N > 4 and "auto" from the
     qualification record of this library, model and device, within `memory_budget`; a request
-    whose prompt is longer than the record covers falls back, or is refused (proofs.for_prompt);
+    whose prompt is longer than the record covers falls back, or is refused (records.for_prompt);
   * reports warnings through `warn` (and keeps them in `warnings`), notes through `log`;
-  * raises typed errors (dflash.errors) that speak of its arguments.
+  * raises typed errors (dflash.core.errors) that speak of its arguments.
 
 One process loads one llama.cpp library, and the flags it reads once (settings.library_env): a
 second Session in the same process must use the same library and flags. To compare libraries,
@@ -37,13 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from . import bands as bands_mod
-from . import bench as bench_mod
-from . import choice, devices, engine, evidence, llama, memory, prefill, proofs, provenance, qualify, tiny_model
-from . import rpc as rpc_mod
-from .errors import UsageError, arg
-from .results import BenchResult, Json, Library, MemoryResult, PrefillResult, QualifyResult
-from .settings import ENV_BANDS, ENV_TILE, MAX_CHUNK, Chunk, Settings
+from dflash.core.errors import UsageError, arg
+from dflash.core.results import BenchResult, Json, Library, MemoryResult, PrefillResult, QualifyResult
+from dflash.core.settings import ENV_BANDS, ENV_TILE, MAX_CHUNK, Chunk, Settings
+from dflash.model import tiny_model
+from dflash.native import devices, llama
+from dflash.native import rpc as rpc_mod
+from dflash.proof import bench as bench_mod
+from dflash.proof import choice, evidence, provenance, qualify, records
+from dflash.run import bands as bands_mod
+from dflash.run import engine, memory, prefill
 
 Say = Callable[[str], None]
 Progress = Callable[[int, int], None]
@@ -238,11 +241,11 @@ class Session:
 
     @contextlib.contextmanager
     def _within_record(self, n_tokens: int) -> Iterator[str | None]:
-        """The engine runs a prompt of n_tokens with the settings proofs.for_prompt gives: the
+        """The engine runs a prompt of n_tokens with the settings records.for_prompt gives: the
         session's, or (a prompt longer than the qualification record covers) a fallback, whose
         warning line is reported and yielded."""
         eng = self.engine
-        s, msg = proofs.for_prompt(self.settings, n_tokens)
+        s, msg = records.for_prompt(self.settings, n_tokens)
         if msg:
             self.warn(msg)
         eng.settings = s

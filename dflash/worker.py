@@ -5,7 +5,7 @@ caller that needs another llama.cpp library or flag set than its own process has
         r = w.prefill("some text", n_predict=4)    # a PrefillResult, as Session.prefill returns
 
 The child is `python -m dflash.worker`, started and watched like every dflash worker
-(dflash/supervisor.py: its stage in a state file, llama.cpp's own output captured). Requests and
+(dflash/run/supervisor.py: its stage in a state file, llama.cpp's own output captured). Requests and
 answers are JSON lines: the parent writes {"op", "args"} to the child's stdin, the child answers
 {"ok": value} or {"error": {"type", "message", "exit_code"}} on a pipe of its own, one at a time
 (so at most one llama.cpp process computes at any moment; an idle child blocks on its stdin).
@@ -23,11 +23,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import errors, stage
-from .errors import DflashError, LlamaError
-from .results import Json, PrefillResult
-from .settings import ENV_FLAGS, ENV_LIB_DIR, Settings
-from .supervisor import Child
+from dflash.core import errors, stage
+from dflash.core.errors import DflashError, LlamaError
+from dflash.core.results import Json, PrefillResult
+from dflash.core.settings import ENV_FLAGS, ENV_LIB_DIR, Settings
+from dflash.run.supervisor import Child
 
 _ERRORS: dict[str, type[DflashError]] = {c.__name__: c for c in (
     errors.DflashError, errors.UsageError, errors.ModelError, errors.LlamaError, errors.LibraryNotBuilt,
@@ -131,7 +131,7 @@ def _say(kind: str) -> Any:
 
 def serve(lines: Any, send: Any) -> int:
     """Answer requests until close or end of input; 0, or the exit code of a failed open."""
-    from .session import Session
+    from dflash.session import Session
 
     session: Session | None = None
     try:

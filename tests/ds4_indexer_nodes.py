@@ -9,7 +9,9 @@ graph ran the indexer's top-k (a node named lid_top_k-N), of every band whose to
 import json
 import sys
 
-from dflash import engine, llama, settings
+from dflash.core import settings
+from dflash.native import llama
+from dflash.run import engine
 
 
 def main(model: str, n: int, width: int) -> None:

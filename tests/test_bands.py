@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash import bands
+from dflash.run import bands
 
 RATIO_SETS = st.sampled_from([(), (4,), (128,), (4, 128), (0, 4, 128, 4, 128), (3, 5), (2, 7, 16)])
 

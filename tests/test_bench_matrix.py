@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from dflash import devices
+from dflash.native import devices
 
 from .conftest import ROOT, run_dflash, run_json
 

@@ -1,4 +1,4 @@
-"""How builds share work (dflash/build.py): the one locked build folder and ccache's settings.
+"""How builds share work (dflash/native/build.py): the one locked build folder and ccache's settings.
 Nothing is compiled here; the measured effect (the second flavor's build 1 min 44 s -> 21 s on
 2 cores) is in the README."""
 import subprocess
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dflash import build
-from dflash.errors import UsageError
+from dflash.core.errors import UsageError
+from dflash.native import build
 
 
 def test_ccache_is_pointed_at_a_folder_per_host_or_disabled(monkeypatch, tmp_path):
@@ -47,7 +47,7 @@ def test_the_summary_counts_hits_and_misses_per_compile(tmp_path):
 
 HOLD = """
 import sys, time
-from dflash import build
+from dflash.native import build
 with build._work_tree(print) as w:
     print("in", w, flush=True)
     time.sleep(float(sys.argv[1]))

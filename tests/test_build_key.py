@@ -1,4 +1,4 @@
-"""The llama.cpp library build key (dflash/build.py): which inputs it sees, per flavor and GPU.
+"""The llama.cpp library build key (dflash/native/build.py): which inputs it sees, per flavor and GPU.
 
 Every test runs on a temporary copy of the key's inputs (the CMake files, cpu_kernels/patches and
 hip_kernels), with build.REPO_ROOT pointed at it: the checkout is never touched, and nothing is
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash import build
-from dflash.errors import DflashError
+from dflash.core.errors import DflashError
+from dflash.native import build
 
 INPUTS = ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "rpc/patches", "hip_kernels", "vulkan_kernels")
 RPC = "rpc/patches"
@@ -50,7 +50,7 @@ def repo(tmp_path, monkeypatch):
             shutil.copy2(src, dst)
     monkeypatch.setattr(build, "REPO_ROOT", root)
     try:
-        from dflash import paths
+        from dflash.core import paths
         monkeypatch.setattr(paths, "REPO_ROOT", root)
     except ImportError:
         pass

@@ -123,3 +123,15 @@ def test_model_without_vocabulary(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert_one_line_error(run_dflash("prefill", "--model", p), 1, "no vocabulary")
+
+
+def test_help_names_every_environment_flag_and_the_flags_they_stand_for():
+    from dflash.core import settings
+    assert set(settings.ENV_DOCS) == {*settings.ENV_FLAGS, settings.ENV_DEBUG, settings.ENV_CCACHE}
+    top = run_dflash("--help", check=True).stdout
+    for name in settings.ENV_DOCS:
+        assert f"  {name} " in top, name
+    sub = " ".join(run_dflash("prefill", "--help", check=True).stdout.split())  # unfolded
+    for flag, env in (("--bands / --no-bands", settings.ENV_BANDS), ("--cpu", settings.ENV_CPU),
+                      ("--indexer-tile", settings.ENV_TILE)):
+        assert flag in sub and f"env: {env}]" in sub, (flag, env)

@@ -8,7 +8,7 @@ Each check has twins that must fail: the planted bug (wide products walk K from 
 attention visits the cache cells in another order) on the exact library, and the stock library,
 whose products change kernels with the width.
 
-The whole module runs once per CPU build variant (dflash.build.CPU_VARIANTS, `dflash build --cpu
+The whole module runs once per CPU build variant (dflash.native.build.CPU_VARIANTS, `dflash build --cpu
 V`): a variant that is not built fails, it is never skipped. Tests marked with EVERY_VARIANT run on
 every variant; the sampled cross product (threads 1 and 3, K 256/1280/4096, the AMX block sizes of
 M, MoE 8/6, grouped K-quants, the flash-attention shapes) is marked with CROSS_VARIANTS, every
@@ -21,12 +21,12 @@ import subprocess
 
 import pytest
 
-from dflash import build
+from dflash.native import build
 
 from .conftest import host_flags
 
 try:  # lands with the CPU variants
-    from dflash import cpu_isa
+    from dflash.core import cpu_isa
 except ImportError:  # pragma: no cover
     cpu_isa = None
 
@@ -554,7 +554,7 @@ def test_flash_attention_over_long_caches_and_their_views(harness):
     assert_caught(planted)
 
 
-WIDE = "1,2,513,1024,1500,2048,4096"  # --chunk up to 4096 (dflash.settings.MAX_CHUNK)
+WIDE = "1,2,513,1024,1500,2048,4096"  # --chunk up to 4096 (dflash.core.settings.MAX_CHUNK)
 
 
 @CROSS_VARIANTS

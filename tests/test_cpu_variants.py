@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash import build, cpu_isa, tiny_model
-from dflash.errors import UsageError
-from dflash.settings import resolve
+from dflash.core import cpu_isa
+from dflash.core.errors import UsageError
+from dflash.core.settings import resolve
+from dflash.model import tiny_model
+from dflash.native import build
 
 from .conftest import ROOT, run_dflash
 
@@ -122,7 +124,7 @@ def test_a_variant_loads_its_own_cpu_backend(cpu):
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         return
     code = ("import json, sys\n"
-            "from dflash import engine, settings\n"
+            "from dflash.run import engine\nfrom dflash.core import settings\n"
             f"d = engine.load_library(settings.resolve({{'DFLASH_CPU_VARIANT': {cpu!r}}}))\n"
             "maps = open('/proc/self/maps').read().split()\n"
             "print(json.dumps({'dir': str(d), 'cpu': sorted({m for m in maps if 'libggml-cpu' in m})}))\n")

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from dflash import build, cuda_libs
+from dflash.native import build, cuda_libs
 
 
 @pytest.mark.parametrize("flavor", build.FLAVORS)

@@ -1,4 +1,4 @@
-"""How the CUDA flavor finds cuBLAS and the runtime (dflash/cuda_libs.py), without a download and
+"""How the CUDA flavor finds cuBLAS and the runtime (dflash/native/cuda_libs.py), without a download and
 without a GPU: the wheel set nvcc's release picks, the folder assembled from (fake) wheels, the
 driver link stub, the CMake arguments, the build key, and the ldd verdict the CUDA build test uses.
 Fast: it always runs (a C compiler builds the stub from a small cuda.h of its own)."""
@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from dflash import build, cuda_libs
-from dflash.errors import DflashError
+from dflash.core.errors import DflashError
+from dflash.native import build, cuda_libs
 
 NVCC_13 = ("nvcc: NVIDIA (R) Cuda compiler driver\nCopyright (c) 2005-2025 NVIDIA Corporation\n"
            "Built on Wed_Aug_20_01:58:59_PM_PDT_2025\nCuda compilation tools, release 13.0, V13.0.88\n"

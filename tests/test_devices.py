@@ -1,8 +1,9 @@
 """--device parsing (cpu, hip:N, cuda:N, two-GPU layer splits) and the missing-GPU exit code."""
 import pytest
 
-from dflash import devices, proofs
-from dflash.errors import UsageError
+from dflash.core.errors import UsageError
+from dflash.native import devices
+from dflash.proof import records
 
 from .conftest import run_dflash
 
@@ -12,7 +13,7 @@ from .conftest import run_dflash
                                            ("vulkan:0", "vulkan", [0]), ("Vulkan:1,vulkan:0", "vulkan", [1, 0])])
 def test_device_specs(spec, kind, ids):
     assert devices.device_kind(spec) == kind and devices.parse_device(spec) == ids
-    assert proofs.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
+    assert records.device_name(spec) == (",".join(f"{kind}:{i}" for i in ids) if ids else "cpu")
 
 
 def test_a_client_of_vulkan_rpc_servers_loads_the_vulkan_build():
@@ -64,7 +65,8 @@ def test_vulkaninfo_devices_in_the_loaders_order_keyed_by_driver():
 def test_vulkan_ids_map_to_the_librarys_visible_devices(monkeypatch):
     """GGML_VK_VISIBLE_DEVICES lists the named devices in order: vulkan:3 alone is the library's
     device 0; vulkan:2,vulkan:0 are its devices 1 and 0."""
-    from dflash import engine, llama
+    from dflash.native import llama
+    from dflash.run import engine
     monkeypatch.setattr(llama, "library_dir", lambda: None)
     monkeypatch.delenv("GGML_VK_VISIBLE_DEVICES", raising=False)
     assert engine.vulkan_visible([3]) == {3: 0}
@@ -89,13 +91,13 @@ def test_a_missing_cuda_device_exits_3():
 def test_gpu_qualification_records_are_keyed_by_the_routing_flags(tiny_models):
     """On a GPU, DFLASH_NARROW_MMVQ and LUCE_MMVQ_MAX_NCOLS decide which kernels run: a record made
     with the hooks off must not vouch for a run with them on. On the CPU neither changes anything."""
-    from dflash import settings
+    from dflash.core import settings
     model = tiny_models["f32"]
     on = settings.resolve({}, bands=True)
     off = settings.resolve({"DFLASH_NARROW_MMVQ": "0"}, bands=True)
     wider = settings.resolve({"LUCE_MMVQ_MAX_NCOLS": "8"}, bands=True)
-    keys = {name: proofs.identity(s, model, "hip:0").key for name, s in
+    keys = {name: records.identity(s, model, "hip:0").key for name, s in
             (("on", on), ("off", off), ("wider", wider))}
     assert len(set(keys.values())) == 3
-    assert proofs.identity(on, model, "cpu").key == proofs.identity(off, model, "cpu").key
-    assert proofs.identity(on, model, "cuda:0").key != proofs.identity(on, model, "hip:0").key
+    assert records.identity(on, model, "cpu").key == records.identity(off, model, "cpu").key
+    assert records.identity(on, model, "cuda:0").key != records.identity(on, model, "hip:0").key

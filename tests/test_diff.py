@@ -1,4 +1,4 @@
-"""`dflash diff` and dflash.trace: the first differing graph node between two schedules.
+"""`dflash diff` and dflash.core.trace: the first differing graph node between two schedules.
 
 The pure part is checked on synthetic node lists with a planted difference; end to end, the
 stock build (q1 runs vec_dot, width 2 runs tinyBLAS) must name a node and the exact build must
@@ -6,8 +6,9 @@ report q1 and w4 identical."""
 import numpy as np
 import pytest
 
-from dflash import bands, trace
-from dflash.errors import UsageError
+from dflash.core import trace
+from dflash.core.errors import UsageError
+from dflash.run import bands
 
 from .conftest import run_dflash, run_json
 

@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-from dflash import memory, tiny_model
-from dflash.errors import UsageError
-from dflash.settings import ENV_SHORTCUT, ENV_TILE, ENV_WINDOW
+from dflash.core.errors import UsageError
+from dflash.core.settings import ENV_SHORTCUT, ENV_TILE, ENV_WINDOW
+from dflash.model import tiny_model
+from dflash.run import memory
 
 from .conftest import CLEAN_ENV, ROOT, run_dflash, run_json
 
@@ -184,8 +185,9 @@ def test_the_tile_is_checked_reported_and_keyed(model_256):
         assert r.returncode == 2 and ENV_TILE in r.stderr and len(r.stderr.strip().splitlines()) == 1, value
     r = run_dflash(*args, "--indexer-tile", "-3")
     assert r.returncode == 2 and "--indexer-tile" in r.stderr
-    from dflash import proofs, settings
-    keys = {v: proofs.library_key(settings.resolve(tile_env(v)))[1] for v in ("0", "64", "128", "64:plant")}
+    from dflash.core import settings
+    from dflash.native import library_id
+    keys = {v: library_id.library_key(settings.resolve(tile_env(v)))[1] for v in ("0", "64", "128", "64:plant")}
     assert len(set(keys.values())) == 4  # a record proves the tile it ran, and a planted one nothing else
 
 

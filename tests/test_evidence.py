@@ -1,4 +1,4 @@
-"""dflash.evidence and `dflash verify`: atomic writes, strict reading, any changed byte is caught."""
+"""dflash.proof.evidence and `dflash verify`: atomic writes, strict reading, any changed byte is caught."""
 import hashlib
 import json
 import re
@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from dflash import cli as cli_mod
-from dflash import evidence as ev
-from dflash import provenance
 from dflash.cli import cli
-from dflash.errors import DflashError
-from dflash.fileio import sha256_file
+from dflash.core.errors import DflashError
+from dflash.core.fileio import sha256_file
+from dflash.proof import evidence as ev
+from dflash.proof import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA_A, SHA_B = "a" * 64, "b" * 64

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash import evidence as ev
+from dflash.proof import evidence as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +73,7 @@ def test_clean_stale_temp_returns_what_it_removed(tmp_path):
 def test_sigkilled_writer_is_cleaned_by_the_next(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
-        from dflash import evidence as ev
+        from dflash.proof import evidence as ev
         w = ev.EvidenceWriter({str(tmp_path / "killed")!r}, "bench")
         w.write_text("notes.txt", "half a run")
         print(w.tmp_dir, flush=True)

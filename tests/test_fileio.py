@@ -1,4 +1,4 @@
-"""dflash.fileio: the one atomic writer (write, fsync the file, rename, fsync the folder) and the one file hash."""
+"""dflash.core.fileio: the one atomic writer (write, fsync the file, rename, fsync the folder) and the one file hash."""
 import errno
 import hashlib
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash import fileio
+from dflash.core import fileio
 
 
 def test_write_atomic_makes_the_parent_folders_and_the_file(tmp_path):

@@ -1,5 +1,5 @@
 """scripts/gpu-check --cpu-stand-in: the GPU check's own logic, run here with the CPU backend
-standing in for the GPU (dflash/gpu_check.py). Every summary line must say what it says on a good
+standing in for the GPU (dflash/compare/gpu_check.py). Every summary line must say what it says on a good
 build, the evidence directory must pass `dflash verify`, and the check must be able to fail: the
 exact library's harness run with the planted bug FAILs its line, and a corrupted evidence file
 fails verify. Needs the CPU libraries (scripts/setup); about a minute and a half on 2 idle cores."""
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from dflash import build
+from dflash.native import build
 
 from .conftest import ROOT, run_dflash
 

@@ -1,4 +1,4 @@
-"""dflash/graph_switches.py against the pinned llama.cpp source: every cited line says what the table
+"""dflash/native/graph_switches.py against the pinned llama.cpp source: every cited line says what the table
 says, every `getenv` of the CPU backend, the CUDA backend, ggml's core, src/ and dflash's patches is
 listed, and the architecture names are llama.cpp's. Without the extracted source (`dflash build`
 extracts it) the source checks skip; the pure ones always run."""
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash import bands, graph_switches, qualify
-from dflash.build import LLAMA_CPP_PYTHON_VERSION
-from dflash.paths import REPO_ROOT, cache_root
+from dflash.core.paths import REPO_ROOT, cache_root
+from dflash.native import graph_switches
+from dflash.native.build import LLAMA_CPP_PYTHON_VERSION
+from dflash.proof import qualify
+from dflash.run import bands
 
 SRC = cache_root() / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
 needs_source = pytest.mark.skipif(not (SRC / "src" / "llama-arch.cpp").is_file(),

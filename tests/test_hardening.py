@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash import tiny_model
-from dflash.stage import ENV_WORKER
-from dflash.supervisor import ENV_STALL
+from dflash.core.stage import ENV_WORKER
+from dflash.model import tiny_model
+from dflash.run.supervisor import ENV_STALL
 
 from .conftest import CLEAN_ENV, ROOT, run_dflash
 
@@ -134,10 +134,11 @@ def test_a_real_llama_cpp_crash_is_reported_with_signal_and_stage(tmp_path):
     """The same model with dflash's ratio check switched off: llama.cpp itself dies (SIGFPE) and
     the supervisor names the signal and the stage."""
     model = _model_with_ratios(tmp_path / "r0_128.gguf", (0, 128))
-    child = ("import sys; from dflash import gguf_meta, stage; from dflash.__main__ import run_cli; "
+    child = ("import sys; from dflash.model import gguf_meta; from dflash.core import stage; "
+             "from dflash.__main__ import run_cli; "
              "gguf_meta._check_ds4_ratios = lambda *a: None; stage.become_worker(); "
              f"run_cli(['prefill', '--model', {str(model)!r}, '--threads', '1', '--json'])")
-    parent = ("import sys; from dflash import supervisor; "
+    parent = ("import sys; from dflash.run import supervisor; "
               f"sys.exit(supervisor.supervise([sys.executable, '-c', {child!r}]))")
     r = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, cwd=ROOT, env=_env(),
                        timeout=300)

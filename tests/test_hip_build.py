@@ -89,6 +89,7 @@ def test_hipblas_stub_header_declares_what_the_stub_library_defines(tmp_path):
         assert r.returncode == -signal.SIGABRT and f"{fn}() called, but libhipblas is a link stub" in r.stderr, fn
 
 
+@pytest.mark.long
 @needs_clang
 def test_ctest_ggml_hip_compiles_patched_sources_for_both_archs():
     run(["cmake", "-S", ROOT, "-B", BUILD])

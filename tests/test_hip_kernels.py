@@ -277,7 +277,7 @@ class HostGpu:
     def launch(self, name, grid, block, args) -> None:
         import ctypes
 
-        from dflash import kernel_selftest as ks
+        from dflash.native import kernel_selftest as ks
         assert block == (32, 4, 1) and grid[1:] == (1, 1), (name, grid, block)
         m = re.fullmatch(r"dflash_mmvq_(\w+)_nc([1-4])", name)
         assert m and m[1] in ks.TYPES, name
@@ -312,7 +312,7 @@ class HostGpu:
 
 
 def _selftest_on(host_bins, tmp_path, monkeypatch, corrupt=frozenset()):
-    from dflash import devices, kernel_selftest
+    from dflash.native import devices, kernel_selftest
     build = tmp_path / "build"
     build.mkdir()
     (build / "dflash_mmvq_host").symlink_to(host_bins["good"])
@@ -327,7 +327,7 @@ def test_kernel_selftest_runs_every_dense_kernel_of_all_seven_types(host_bins, t
     """`dflash kernels selftest` launches each of the 28 dense kernels once (the seven types the
     code objects hold, this file's TYPES, x ncols 1..4) on host-made inputs of that type, and names
     the seven `_id` kernels it does not run."""
-    from dflash import kernel_selftest
+    from dflash.native import kernel_selftest
     gpu, rows = _selftest_on(host_bins, tmp_path, monkeypatch)
     dense = {f"dflash_mmvq_{t}_nc{n}" for t in TYPES for n in (1, 2, 3, 4)}
     assert sorted(gpu.launched) == sorted(dense) and {r["kernel"] for r in rows} == dense
@@ -345,7 +345,7 @@ def test_kernel_selftest_reports_a_differing_kernel(host_bins, tmp_path, monkeyp
 @pytest.mark.parametrize("tname", list(TYPES))
 def test_kernel_selftest_weights_are_valid_blocks(tname):
     """The self-test's random weights decode to finite values in gguf, for every type."""
-    from dflash import kernel_selftest
+    from dflash.native import kernel_selftest
     nbytes, nvals = kernel_selftest.TYPES[tname]
     assert (nbytes, nvals) == (quants.GGML_QUANT_SIZES[TYPES[tname]][1], quants.GGML_QUANT_SIZES[TYPES[tname]][0])
     raw = kernel_selftest.random_weights(tname, 8, 512, np.random.default_rng(3))
@@ -369,9 +369,9 @@ ALL_KERNELS = {f"dflash_mmvq_{t}_{k}" for t in TYPES for k in ("nc1", "nc2", "nc
 
 
 def nvcc_compile(out: Path, *flags: str) -> Path:
-    """cuda_selftest.cu compiled by the nvcc dflash's CUDA build uses (dflash.build._nvcc: PATH, then
+    """cuda_selftest.cu compiled by the nvcc dflash's CUDA build uses (dflash.native.build._nvcc: PATH, then
     /usr/local/cuda/bin). No nvcc: a skip; nvcc there and the compile failing: a failure."""
-    from dflash import build
+    from dflash.native import build
     nvcc = build._nvcc()
     if nvcc is None:
         pytest.skip("no nvcc on PATH or in /usr/local/cuda/bin: the CUDA self-test needs the CUDA toolkit")

@@ -3,8 +3,8 @@ import hashlib
 
 import pytest
 
-from dflash import gguf_meta, tiny_model
-from dflash.errors import ModelError
+from dflash.core.errors import ModelError
+from dflash.model import gguf_meta, tiny_model
 
 from .conftest import run_json
 

@@ -1,4 +1,4 @@
-"""Weight types outside the HIP narrow path (dflash/narrow.py), DFLASH_NARROW_MMVQ in settings."""
+"""Weight types outside the HIP narrow path (dflash/native/narrow.py), DFLASH_NARROW_MMVQ in settings."""
 from __future__ import annotations
 
 import re
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash import gguf_meta, narrow, settings
-from dflash.engine import Engine
-from dflash.errors import UsageError
+from dflash.core import settings
+from dflash.core.errors import UsageError
+from dflash.model import gguf_meta
+from dflash.native import narrow
+from dflash.run.engine import Engine
 
 
 def test_covered_set_is_the_kernels_and_mmvf():

@@ -70,7 +70,7 @@ def test_the_vulkan_patch_set_fits_the_pinned_source(tmp_path):
     """vulkan_kernels/apply_patches.cmake on a copy of the pinned files it patches: the common patch
     lands (the layer-settings block is guarded for Vulkan headers without VK_EXT_layer_settings),
     and a second run leaves the file as it is."""
-    from dflash import build
+    from dflash.native import build
     src = build.source_dir() / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"
     tree = tmp_path / "llama.cpp"
     dst = tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp"

@@ -3,7 +3,9 @@ is shown to differ (so these comparisons can fail)."""
 import numpy as np
 import pytest
 
-from dflash import engine, prefill, settings, tiny_model
+from dflash.core import settings
+from dflash.model import tiny_model
+from dflash.run import engine, prefill
 
 from .conftest import TEST_THREADS, run_dflash, run_json
 

@@ -6,20 +6,23 @@ import json
 
 import pytest
 
-from dflash import build, engine, proofs, settings
-from dflash.errors import UsageError
+from dflash.core import settings
+from dflash.core.errors import UsageError
+from dflash.native import build, library_id
+from dflash.proof import records
+from dflash.run import engine
 
 from .conftest import run_dflash, run_json
 
-V = proofs.Verdict
+V = records.Verdict
 
 
 def ident(device="cpu"):
-    return proofs.Identity("exact", "build", "0123456789abcdef", "ab" * 32, device)
+    return records.Identity("exact", "build", "0123456789abcdef", "ab" * 32, device)
 
 
 def record(*verdicts, device="cpu"):
-    return proofs.Record(ident(device), "/models/m.gguf", "2025-01-02T03:04:05Z", tuple(verdicts))
+    return records.Record(ident(device), "/models/m.gguf", "2025-01-02T03:04:05Z", tuple(verdicts))
 
 
 ALL_EXACT = (V(1, True, 1, True, 1, "/ev", 389), V(4, True, 4, True, 4, "/ev", 389), V(8, True, 4, True, 8, "/ev", 389))
@@ -30,17 +33,17 @@ ALL_EXACT = (V(1, True, 1, True, 1, "/ev", 389), V(4, True, 4, True, 4, "/ev", 3
 
 def test_round_trip(tmp_path):
     r = record(*ALL_EXACT, device="hip:0,hip:1")
-    p = proofs.write(tmp_path / "q" / "r.json", r)
-    assert proofs.read(p) == r and proofs.parse(proofs.render(r)) == r
+    p = records.write(tmp_path / "q" / "r.json", r)
+    assert records.read(p) == r and records.parse(records.render(r)) == r
     d = json.loads(p.read_text())
     assert (d["schema"], d["schema_version"], d["key"]) == (
-        proofs.SCHEMA, proofs.SCHEMA_VERSION, r.identity.key)
+        records.SCHEMA, records.SCHEMA_VERSION, r.identity.key)
     assert [w["width"] for w in d["widths"]] == [1, 4, 8]
     assert not list((tmp_path / "q").glob(".*.tmp"))  # the temporary sibling is gone
 
 
 def edited(**changes):
-    d = proofs.to_json(record(*ALL_EXACT))
+    d = records.to_json(record(*ALL_EXACT))
     d.update(changes)
     return json.dumps(d).encode()
 
@@ -78,8 +81,8 @@ def edited(**changes):
     (b"{\"schema\": NaN}", "not valid JSON"),
 ])
 def test_strict_reader(raw, needle):
-    with pytest.raises(proofs.RecordError) as e:
-        proofs.parse(raw)
+    with pytest.raises(records.RecordError) as e:
+        records.parse(raw)
     assert needle in str(e.value)
 
 
@@ -87,46 +90,46 @@ def test_load_treats_a_corrupt_or_foreign_record_as_none(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     r = record(*ALL_EXACT)
     warnings = []
-    assert proofs.load(r.identity, warnings.append) is None and warnings == []  # no record: silent
-    path = proofs.record_path(r.identity)
+    assert records.load(r.identity, warnings.append) is None and warnings == []  # no record: silent
+    path = records.record_path(r.identity)
     assert path.parent == tmp_path / "dflash" / "qualifications"
-    assert proofs.save(r, warnings.append) == r and proofs.load(r.identity, warnings.append) == r
+    assert records.save(r, warnings.append) == r and records.load(r.identity, warnings.append) == r
     path.write_bytes(b"\x00garbage")
-    assert proofs.load(r.identity, warnings.append) is None
+    assert records.load(r.identity, warnings.append) is None
     assert len(warnings) == 1 and str(path) in warnings[0] and "\n" not in warnings[0]
-    proofs.write(path, record(*ALL_EXACT, device="hip:0"))  # valid, but about another device
-    assert proofs.load(r.identity, warnings.append) is None and "another" in warnings[-1]
+    records.write(path, record(*ALL_EXACT, device="hip:0"))  # valid, but about another device
+    assert records.load(r.identity, warnings.append) is None and "another" in warnings[-1]
 
 
 def test_save_merges_widths(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    proofs.save(record(*ALL_EXACT), print)
+    records.save(record(*ALL_EXACT), print)
     again = record(V(1, True, 1, True, 1, "/ev2", 99), V(8, True, 4, False, 8, "/ev2", 99),
                    V(64, True, 4, True, 64, "/ev2", 99))
-    stored = proofs.save(again, print)
+    stored = records.save(again, print)
     assert [(v.width, v.evidence_dir) for v in stored.widths] == [(1, "/ev2"), (4, "/ev"), (8, "/ev2"), (64, "/ev2")]
-    assert proofs.read(proofs.record_path(again.identity)) == stored
+    assert records.read(records.record_path(again.identity)) == stored
 
 
 # ---------------------------------------------------------------------------------------------
 # What a record proves
 
 def test_auto_takes_the_widest_proven_width_and_prefers_fixed():
-    assert proofs.widest_proven(ALL_EXACT) == (8, settings.FIXED)
+    assert records.widest_proven(ALL_EXACT) == (8, settings.FIXED)
     planner_only = (V(1, True, 1, True, 1), V(8, True, 4, False, 8))
-    assert proofs.widest_proven(planner_only) == (8, settings.PLANNER)
-    assert proofs.proven_mode(planner_only, 8) == settings.PLANNER
-    assert proofs.proven_mode(planner_only, 4) is None
+    assert records.widest_proven(planner_only) == (8, settings.PLANNER)
+    assert records.proven_mode(planner_only, 8) == settings.PLANNER
+    assert records.proven_mode(planner_only, 4) is None
 
 
 def test_auto_never_picks_an_inexact_width():
     vs = (V(1, True, 1, True, 1), V(4, True, 4, True, 4), V(8, False, 4, False, 8))
-    assert proofs.widest_proven(vs) == (4, settings.FIXED) and proofs.proven_mode(vs, 8) is None
+    assert records.widest_proven(vs) == (4, settings.FIXED) and records.proven_mode(vs, 8) is None
     # a wider exact width above an inexact one is not proven: its tails would decode that width
     vs = (V(1, True, 1, True, 1), V(6, False, 4, False, 6), V(8, True, 4, True, 8))
-    assert proofs.widest_proven(vs) == (1, settings.FIXED)
+    assert records.widest_proven(vs) == (1, settings.FIXED)
     stock = (V(1, True, 1, True, 1), V(2, False, 2, False, 2), V(4, False, 4, False, 4))
-    assert proofs.widest_proven(stock) == (1, settings.FIXED)  # q1
+    assert records.widest_proven(stock) == (1, settings.FIXED)  # q1
 
 
 def test_identity_key_depends_on_every_part():
@@ -147,13 +150,13 @@ def test_dir_key_hashes_the_library_files(tmp_path):
     (tmp_path / "libllama.so").write_bytes(b"llama")
     (tmp_path / "libggml-cpu.so").write_bytes(b"cpu")
     (tmp_path / "notes.txt").write_text("not a library")
-    k = proofs.dir_key(tmp_path)
+    k = library_id.dir_key(tmp_path)
     (tmp_path / "notes.txt").write_text("still not a library")
-    assert proofs.dir_key(tmp_path) == k and len(k) == 64
+    assert library_id.dir_key(tmp_path) == k and len(k) == 64
     (tmp_path / "libggml-cpu.so").write_bytes(b"cpu2")
-    assert proofs.dir_key(tmp_path) != k
+    assert library_id.dir_key(tmp_path) != k
     with pytest.raises(UsageError, match="no libllama.so"):
-        proofs.dir_key(tmp_path / "missing")
+        library_id.dir_key(tmp_path / "missing")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,14 +199,14 @@ def hand_record(monkeypatch, tmp_path, model, verdicts):
     """A record for `model` on the exact built library and the CPU (what this host's library offers,
     the kernel switches of this environment, which the CLI's processes inherit), written into
     tmp_path's cache."""
-    i = proofs.identity(settings.resolve({}), model)
+    i = records.identity(settings.resolve({}), model)
     assert i.library_key == build.build_key("exact")
     assert i.model_sha256 == hashlib.sha256(model.read_bytes()).hexdigest()
     (tmp_path / "dflash").mkdir(exist_ok=True)  # the built libraries: a lookup asks the library what it offers
     (tmp_path / "dflash" / "llama").symlink_to(build.cache_root() / "llama")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    record = proofs.Record(i, str(model), proofs.now_utc(), tuple(verdicts))
-    return proofs.write(proofs.record_path(i), record)
+    record = records.Record(i, str(model), records.now_utc(), tuple(verdicts))
+    return records.write(records.record_path(i), record)
 
 
 def test_auto_with_a_hand_written_record_picks_the_exact_width(tiny_models, tmp_path, monkeypatch):
@@ -266,11 +269,11 @@ def test_qualify_then_wide_prefill(tiny_models, tmp_path, cache_with_library):
     q = run_json("qualify", "--model", m, "--widths", "1,4,8", "--threads", 1, "--n-predict", 2,
                  "--evidence", ev, env=env)
     assert q["all_exact"] and q["recommended_chunk"] == 8 and q["recommended_band_mode"] == "fixed"
-    rec = proofs.read(q["qualification"]["path"])
+    rec = records.read(q["qualification"]["path"])
     assert [(v.width, v.planner_exact, v.fixed_exact, v.fixed_widest_band) for v in rec.widths] == \
         [(1, True, True, 1), (4, True, True, 4), (8, True, True, 8)]
     assert rec.identity.key == q["qualification"]["key"] and rec.widths[0].evidence_dir == str(ev)
-    assert proofs.read(ev / proofs.FILE_NAME) == rec
+    assert records.read(ev / records.FILE_NAME) == rec
     assert q["qualification"]["auto"] == {"width": 8, "mode": "fixed"}
     assert run_json("verify", ev)["ok"]
 
@@ -287,6 +290,7 @@ def test_qualify_then_wide_prefill(tiny_models, tmp_path, cache_with_library):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.long
 def test_widths_to_4096_are_exact_on_the_tiny_model_and_auto_runs_them(tmp_path, cache_with_library):
     """Widths past 512 (what DeepSeek-V4 runs in the field: 2,048-4,096 tokens per step): qualify
     1,024, 2,048 and 4,096 on the built-in model over a prompt of more than 8,200 tokens, each
@@ -309,6 +313,7 @@ def test_widths_to_4096_are_exact_on_the_tiny_model_and_auto_runs_them(tmp_path,
     assert not stock["all_exact"] and stock["results"][0]["exact"]  # its q1 repeats; width 1,024 differs
 
 
+@pytest.mark.long
 def test_gemma_is_exact_at_1024(gemma, tmp_path, cache_with_library):
     """A real model past 512: Gemma 3 270M (262,144-token vocabulary, sliding-window layers) at
     width 1,024 over a 2,056-token prompt, bit-identical to q1 (widths 2,048 and 4,096 on Gemma:

@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from dflash import bands, qualify, trace
+from dflash.core import trace
+from dflash.proof import qualify
+from dflash.run import bands
 
 from .conftest import HOST_HAS_AMX, run_dflash, run_json
 

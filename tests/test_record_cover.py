@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
-from dflash import build, graph_switches, llama, proofs, settings
-from dflash.errors import UsageError
+from dflash.core import settings
+from dflash.core.errors import UsageError
+from dflash.native import build, graph_switches, library_id, llama
+from dflash.proof import records
 
 from .conftest import HOST_HAS_AMX, ROOT, run_dflash, run_json
 
-V = proofs.Verdict
+V = records.Verdict
 EXACT = (1, True, 1, True, 1)
 
 
@@ -32,19 +34,19 @@ def cache(tmp_path, monkeypatch):
     for name in [s.name for s in graph_switches.ENV_SWITCHES]:
         monkeypatch.delenv(name, raising=False)
     offered = {"bufts": ("CPU_REPACK",)}
-    monkeypatch.setattr(proofs, "offered_buffer_types", lambda s, kind="cpu": offered["bufts"])
+    monkeypatch.setattr(library_id, "offered_buffer_types", lambda s, kind="cpu": offered["bufts"])
     return offered
 
 
 def save(model, ident_settings=None, vs=None, **kw):
-    i = proofs.identity(ident_settings or settings.resolve({}), model, **kw)
-    proofs.save(proofs.Record(i, str(model), proofs.now_utc(), vs or verdicts(400)), print)
+    i = records.identity(ident_settings or settings.resolve({}), model, **kw)
+    records.save(records.Record(i, str(model), records.now_utc(), vs or verdicts(400)), print)
     return i
 
 
 def look(model, s=None, chunk="auto", notes=None, **kw):
     notes = [] if notes is None else notes
-    return proofs.lookup(s or settings.resolve({}), chunk, str(model), "mxfp4", "cpu", notes.append, notes.append,
+    return records.lookup(s or settings.resolve({}), chunk, str(model), "mxfp4", "cpu", notes.append, notes.append,
                          **kw)
 
 
@@ -56,18 +58,36 @@ def test_a_record_does_not_vouch_for_another_cpu_variant(tiny_models, cache):
     native = settings.resolve({})
     avx2 = dataclasses.replace(native, cpu="avx2")  # --cpu avx2 (DFLASH_CPU_VARIANT)
     i = save(m, native)
-    j = proofs.identity(avx2, m)
+    j = records.identity(avx2, m)
     assert (i.cpu, j.cpu) == ("native", "avx2") and i.key != j.key
     assert j.library_key == build.build_key("exact", "none", "avx2") != i.library_key
-    rendered = json.loads(proofs.render(proofs.Record(j, str(m), proofs.now_utc(), verdicts(9))))
+    rendered = json.loads(records.render(records.Record(j, str(m), records.now_utc(), verdicts(9))))
     assert rendered["library"]["cpu"] == "avx2"
     assert look(m).width == 16
     notes = []
     assert look(m, avx2, notes=notes) is None
     assert "avx2 build" in notes[-1] and "no qualification record" in notes[-1]
-    with pytest.raises(UsageError, match="no qualification record proves width 8"):
+    with pytest.raises(UsageError, match="no qualification record proves width 8") as e:
         look(m, avx2, chunk=8)
+    assert str(e.value).endswith(f"run `dflash qualify --model {m} --cpu avx2 --widths 8`"), e.value
     assert look(m, chunk=8).width == 8
+
+
+def test_a_refusal_names_the_command_that_makes_its_record(tiny_models, cache):
+    """Everything that enters the record's key and is not the default is in the refusal's conditions
+    and in the qualify command it suggests (a flag as a flag, an environment flag as a prefix), so
+    running that command makes the record the refused run looks up."""
+    m = tiny_models["f32"]
+    tiled = settings.resolve({settings.ENV_TILE: "64", settings.ENV_WINDOW: "off"})
+    with pytest.raises(UsageError) as e:
+        look(m, tiled, chunk=512)
+    msg = str(e.value)
+    assert "indexer-tile 64" in msg.split("run `")[0] and f"{settings.ENV_WINDOW}=off" in msg.split("run `")[0]
+    assert msg.endswith(f"run `{settings.ENV_WINDOW}=off dflash qualify --model {m} --indexer-tile 64 --widths 512`")
+    save(m, tiled, verdicts(400, (1, 4, 512)))
+    assert look(m, tiled, chunk=512).width == 512  # what the suggested command writes is what is looked up
+    with pytest.raises(UsageError, match="--indexer-tile 64 --widths 512"):
+        look(m, settings.resolve({settings.ENV_TILE: "64"}), chunk=512)  # the window's record proves nothing here
 
 
 def test_a_record_made_with_amx_does_not_vouch_for_a_run_without_it(tiny_models, cache):
@@ -75,7 +95,7 @@ def test_a_record_made_with_amx_does_not_vouch_for_a_run_without_it(tiny_models,
     m = tiny_models["f32"]
     cache["bufts"] = ("AMX", "CPU_REPACK")
     i = save(m)
-    d = json.loads(proofs.record_path(i).read_text())["runtime"]
+    d = json.loads(records.record_path(i).read_text())["runtime"]
     assert d["cpu_buffer_types"] == ["AMX", "CPU_REPACK"] and d["amx"] is True and i.amx
     assert look(m).width == 16
     cache["bufts"] = ("CPU_REPACK",)  # AMX not granted (a VM): the weights go to other kernels
@@ -116,26 +136,26 @@ def test_a_library_folder_is_keyed_by_the_host(tiny_models, cache, tmp_path, mon
         (lib / name).write_bytes(name.encode())
     s = settings.resolve({settings.ENV_LIB_DIR: str(lib)})
     m = tiny_models["f32"]
-    here = proofs.identity(s, m)
+    here = records.identity(s, m)
     assert here.library_source == "dir" and here.host == graph_switches.host_fingerprint()
     monkeypatch.setattr(graph_switches, "host_fingerprint", lambda: "ab" * 8)  # the same folder on another CPU
-    there = proofs.identity(s, m)
+    there = records.identity(s, m)
     assert there.library_key == here.library_key and there.key != here.key
-    assert proofs.identity(settings.resolve({}), m).host is None  # a build's key hashes the CPU flags
+    assert records.identity(settings.resolve({}), m).host is None  # a build's key hashes the CPU flags
 
 
 def test_a_window_sized_cache_has_its_own_key(tiny_models, cache):
     m = tiny_models["f32"]
     window = save(m, kv_cache="window")
-    assert window.kv_cache == "window" and window.key != proofs.identity(settings.resolve({}), m).key
+    assert window.kv_cache == "window" and window.key != records.identity(settings.resolve({}), m).key
     assert look(m) is None  # dflash's contexts are full-size: a window record never vouches for them
     with pytest.raises(ValueError, match="kv_cache"):
-        proofs.identity(settings.resolve({}), m, kv_cache="ring")
+        records.identity(settings.resolve({}), m, kv_cache="ring")
 
 
 SWA_SCRIPT = """
 import sys
-from dflash import build, llama
+from dflash.native import build, llama
 llama.load_library(build.library_dir("exact"))
 L = llama._lib()
 m = llama.Model(sys.argv[1])
@@ -178,30 +198,30 @@ def test_the_library_says_which_cpu_buffer_types_it_offers():
 def test_proofs_hold_for_prompts_up_to_their_length():
     vs = (V(*EXACT, positions=2000), V(4, True, 4, True, 4, positions=2000), V(64, True, 4, True, 64, positions=2000),
           V(512, True, 4, True, 512, positions=600))
-    assert proofs.widest_proven(vs) == (512, settings.FIXED)
-    assert proofs.widest_proven(vs, n_tokens=600) == (512, settings.FIXED)
-    assert proofs.widest_proven(vs, n_tokens=601) == (64, settings.FIXED)
-    assert proofs.widest_proven(vs, n_tokens=2001) == (1, settings.PLANNER)  # nothing covers it: q1
-    assert proofs.covered(vs, 512, settings.FIXED) == 600 and proofs.covered(vs, 64, settings.FIXED) == 2000
-    assert proofs.proven_mode(vs, 512, 601) is None and proofs.covered(vs, 128, settings.FIXED) == 0
+    assert records.widest_proven(vs) == (512, settings.FIXED)
+    assert records.widest_proven(vs, n_tokens=600) == (512, settings.FIXED)
+    assert records.widest_proven(vs, n_tokens=601) == (64, settings.FIXED)
+    assert records.widest_proven(vs, n_tokens=2001) == (1, settings.PLANNER)  # nothing covers it: q1
+    assert records.covered(vs, 512, settings.FIXED) == 600 and records.covered(vs, 64, settings.FIXED) == 2000
+    assert records.proven_mode(vs, 512, 601) is None and records.covered(vs, 128, settings.FIXED) == 0
     # a narrower width found inexact stops the proof at every length, whatever prompt it failed on
     for failed_on in (100, 900):
         vs = (V(*EXACT, positions=300), V(8, True, 4, True, 8, positions=300),
               V(4, False, 4, False, 4, positions=failed_on))
-        assert proofs.proven_mode(vs, 8, 300) is None and proofs.proven_mode(vs, 8, 200) is None
-        assert proofs.widest_proven(vs, n_tokens=200) == (1, settings.FIXED)
+        assert records.proven_mode(vs, 8, 300) is None and records.proven_mode(vs, 8, 200) is None
+        assert records.widest_proven(vs, n_tokens=200) == (1, settings.FIXED)
 
 
 def covered_settings(chunk, width, vs):
-    q = proofs.Covered("/q.json", "k" * 24, width, settings.FIXED, proofs.covered(vs, width, settings.FIXED), vs)
+    q = records.Covered("/q.json", "k" * 24, width, settings.FIXED, records.covered(vs, width, settings.FIXED), vs)
     return settings.resolve({}, chunk=chunk, qualified=q)
 
 
 def test_auto_beyond_the_record_falls_back_with_one_line():
     vs = verdicts(389, (1, 4, 8, 64))
     s = covered_settings("auto", 64, vs)
-    assert proofs.for_prompt(s, 389) == (s, None)  # within: as chosen
-    t, msg = proofs.for_prompt(s, 390)
+    assert records.for_prompt(s, 389) == (s, None)  # within: as chosen
+    t, msg = records.for_prompt(s, 390)
     assert (t.chunk, t.cap, t.qualified, t.fixed, t.chunk_requested) == (4, 4, None, False, "auto")
     assert "390 tokens, more than the 389" in msg and "/q.json" in msg and "running 4" in msg
     assert "\n" not in msg and "dflash qualify" in msg
@@ -209,26 +229,26 @@ def test_auto_beyond_the_record_falls_back_with_one_line():
     longer = (*vs, V(16, True, 4, True, 16, "/ev", 5000), V(2, True, 2, True, 2, "/ev", 5000),
               V(1, True, 1, True, 1, "/ev", 5000))
     vs2 = tuple(sorted({v.width: v for v in (*vs, *longer)}.values(), key=lambda v: v.width))
-    t, msg = proofs.for_prompt(covered_settings("auto", 64, vs2), 1000)
+    t, msg = records.for_prompt(covered_settings("auto", 64, vs2), 1000)
     assert (t.chunk, t.qualified.width, t.qualified.positions) == (16, 16, 5000) and "running width 16" in msg
     # the record found width 2 inexact: the narrow fallback stays below it (a stock library: q1)
     bad = tuple(dataclasses.replace(v, fixed_exact=False, planner_exact=False) if v.width == 2 else v for v in vs2)
-    t, msg = proofs.for_prompt(covered_settings("auto", 64, bad), 1000)
+    t, msg = records.for_prompt(covered_settings("auto", 64, bad), 1000)
     assert t.chunk == 1 and "running 1" in msg
 
 
 def test_an_explicit_wide_chunk_beyond_the_record_is_refused():
     s = covered_settings(64, 64, verdicts(389, (1, 4, 8, 64)))
-    assert proofs.for_prompt(s, 200)[0] is s
+    assert records.for_prompt(s, 200)[0] is s
     with pytest.raises(UsageError, match="^chunk 64: the prompt has 400 tokens, more than the 389"):
-        proofs.for_prompt(s, 400)
+        records.for_prompt(s, 400)
 
 
 def test_a_qualified_without_coverage_covers_nothing():
     s = settings.resolve({}, chunk="auto", qualified=settings.Qualified("/q.json", "k" * 24, 8, settings.FIXED))
-    t, msg = proofs.for_prompt(s, 10)
+    t, msg = records.for_prompt(s, 10)
     assert t.chunk == 4 and "more than the 0" in msg
-    assert proofs.for_prompt(settings.resolve({}, chunk=4), 10**6)[1] is None  # narrow: no record involved
+    assert records.for_prompt(settings.resolve({}, chunk=4), 10**6)[1] is None  # narrow: no record involved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +270,7 @@ def test_auto_beyond_a_short_qualification(tiny_models, tmp_path, shared_cache):
                  "--evidence", tmp_path / "ev", env=env)
     n = q["n_tokens"]
     assert q["all_exact"] and q["qualification"]["auto"] == {"width": 8, "mode": "fixed"} and 128 < n < 300
-    rec = proofs.read(q["qualification"]["path"])
+    rec = records.read(q["qualification"]["path"])
     assert {v.positions for v in rec.widths} == {n} and rec.identity.kernel_switches == ()
     assert rec.identity.cpu == "native" and rec.identity.amx is HOST_HAS_AMX and rec.identity.kv_cache == "full"
 

@@ -1,4 +1,4 @@
-"""The JSON of every command's result, pinned: keys and JSON types, nested (dflash/results.py).
+"""The JSON of every command's result, pinned: keys and JSON types, nested (dflash/core/results.py).
 
 Each schema below is checked against (a) `to_json()` of a result built here in Python and (b) the
 real `--json` output of the command on the built-in tiny model. The checker is strict (a missing
@@ -13,9 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from dflash import memory
-from dflash.errors import DflashError
-from dflash.results import (
+from dflash.core.errors import DflashError
+from dflash.core.results import (
     ArmStats,
     BenchResult,
     BenchSummary,
@@ -37,8 +36,9 @@ from dflash.results import (
     Skipped,
     WidthResult,
 )
-from dflash.settings import Qualified
-from dflash.trace import NodeDiff
+from dflash.core.settings import Qualified
+from dflash.core.trace import NodeDiff
+from dflash.run import memory
 
 from .conftest import run_dflash
 
@@ -394,7 +394,7 @@ def test_prefill_from_json_rejects_bad_input_in_one_line(mutate, needle):
 
 
 def test_matrix_compares_typed_prefill_results():
-    from dflash import matrix
+    from dflash.compare import matrix
     exact, stock, gpu = (matrix.Config("cpu t1 exact", "cpu", 1, "exact"),
                          matrix.Config("cpu t1 stock", "cpu", 1, "stock"),
                          matrix.Config("hip:0 gfx1100", "hip:0", 1, "exact"))

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash import devices, rpc
-from dflash.errors import UsageError
+from dflash.core.errors import UsageError
+from dflash.native import devices, rpc
 
 from .conftest import CLEAN_ENV, ROOT, run_dflash
 

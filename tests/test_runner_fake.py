@@ -10,9 +10,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash import prefill
-from dflash.bands import NARROW, Band, from_widths, plan
-from dflash.errors import LlamaError
+from dflash.core.errors import LlamaError
+from dflash.run import prefill
+from dflash.run.bands import NARROW, Band, from_widths, plan
 
 N_VOCAB = 16
 TOKENS = [(7 * i + 3) % N_VOCAB for i in range(37)]  # 37 tokens: crosses ratio 4 and 8 boundaries

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash import build, server
-from dflash import serve_workload as wl
+from dflash.native import build
+from dflash.serving import client, server
+from dflash.serving import serve_workload as wl
 
 from .conftest import CLEAN_ENV, ROOT, run_dflash
 
@@ -68,7 +69,7 @@ class Serve:
         return out[0] if out else ""
 
     def post(self, path, payload, **kw):
-        return server.post(self.url + path, payload, **kw)
+        return client.post(self.url + path, payload, **kw)
 
     def llama_server_pid(self):
         kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
@@ -146,7 +147,7 @@ def test_serve_without_any_record_starts_and_answers_what_q1_computes(tmp_path):
     """A fresh machine: no qualification or serve record. `dflash serve` falls back to one slot and
     one-token ubatches (-b 2 -ub 1: llama-server decodes a 2-token batch while it starts, so -b 1
     would abort it) and answers with what `dflash prefill`'s q1 computes."""
-    from dflash.paths import cache_root
+    from dflash.core.paths import cache_root
     cache = tmp_path / "cache"
     (cache / "dflash").mkdir(parents=True)
     for entry in ("llama", "llama-server", "models", "sdist", "src"):
@@ -276,8 +277,8 @@ def _clean_error(r, status):
 
 def test_bad_requests_get_4xx_json_and_the_server_goes_on(serving):
     url = serving.url
-    _clean_error(server.request(url + "/v1/completions", b"{not json"), 400)
-    _clean_error(server.request(url + "/v1/chat/completions", b'{"messages": [}'), 400)
+    _clean_error(client.request(url + "/v1/completions", b"{not json"), 400)
+    _clean_error(client.request(url + "/v1/chat/completions", b'{"messages": [}'), 400)
     _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": "many"}), 400)
     _clean_error(serving.post("/v1/completions", {"prompt": 12.5, "max_tokens": 2}), 400)
     _clean_error(serving.post("/v1/chat/completions", {"messages": "hello", "max_tokens": 2}), 400)
@@ -290,7 +291,7 @@ def test_bad_requests_get_4xx_json_and_the_server_goes_on(serving):
     assert "gpt-nothing" in unknown.body["error"]["message"]
     _clean_error(serving.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "model": 7}), 400)
     _clean_error(serving.post("/v1/completions", {"prompt": wl.words(6000, 3), "max_tokens": 2}), 400)  # > ctx
-    _clean_error(server.request(url + "/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}'), 413)
+    _clean_error(client.request(url + "/v1/completions", b'{"prompt": "' + b"a" * (17 << 20) + b'"}'), 413)
     zero = serving.post("/v1/completions", {"prompt": "x", "max_tokens": 0})  # llama-server samples one
     assert zero.status == 200 and len(zero.body["dflash"]["response_tokens"]) <= 1, zero.text
     missing = serving.post("/v1/completions", {"max_tokens": 2})
@@ -363,7 +364,7 @@ def test_sigterm_during_requests_stops_cleanly():
     t.join(30)
     assert not t.is_alive() and len(results) == 2  # in-flight requests ended (answered or failed), none hang
     with pytest.raises(OSError):
-        server.request(s.url + "/health", method="GET", timeout=2)
+        client.request(s.url + "/health", method="GET", timeout=2)
 
 
 @pytest.mark.parametrize("args, word", [

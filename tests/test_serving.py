@@ -4,12 +4,13 @@ import json
 
 import pytest
 
-from dflash import build, serve_record, serving
-from dflash import serve_workload as wl
-from dflash.errors import UsageError
-from dflash.serve_check import Prefilled, compare
+from dflash.core.errors import UsageError
+from dflash.native import build
+from dflash.serving import serve_config, serve_record
+from dflash.serving import serve_workload as wl
+from dflash.serving.serve_check import Prefilled, compare
 
-CFG = serving.ServeConfig(parallel=4, ubatch=512, ctx=1024, threads=2)
+CFG = serve_config.ServeConfig(parallel=4, ubatch=512, ctx=1024, threads=2)
 
 
 def test_args_pin_what_keeps_it_exact():
@@ -20,14 +21,14 @@ def test_args_pin_what_keeps_it_exact():
     for flag in ("--swa-full", "--no-kv-unified", "--no-context-shift"):
         assert flag in a
     assert a[a.index("--cache-reuse") + 1] == "0" and a[a.index("-fa") + 1] == "auto"
-    assert "--kv-unified" in serving.ServeConfig(1, 1, 64, 1, kv_unified=True).args()
+    assert "--kv-unified" in serve_config.ServeConfig(1, 1, 64, 1, kv_unified=True).args()
 
 
 def test_one_token_ubatches_keep_a_logical_batch_llama_server_starts_with():
     # llama-server decodes a 2-token batch at start (common_context_can_seq_rm) and aborts with -b 1
-    a = serving.ServeConfig(1, 1, 64, 1).args()
+    a = serve_config.ServeConfig(1, 1, 64, 1).args()
     assert a[a.index("-ub") + 1] == "1" and a[a.index("-b") + 1] == "2"
-    a = serving.ServeConfig(1, 2, 64, 1).args()
+    a = serve_config.ServeConfig(1, 2, 64, 1).args()
     assert a[a.index("-ub") + 1] == a[a.index("-b") + 1] == "2"
 
 
@@ -36,40 +37,41 @@ def test_one_token_ubatches_keep_a_logical_batch_llama_server_starts_with():
                                       ({"flash_attn": "maybe"}, "flash")])
 def test_config_refuses_bad_values(kw, word):
     with pytest.raises(UsageError, match=word):
-        serving.ServeConfig(**{"parallel": 1, "ubatch": 1, "ctx": 64, "threads": 1, **kw})
+        serve_config.ServeConfig(**{"parallel": 1, "ubatch": 1, "ctx": 64, "threads": 1, **kw})
 
 
 def test_vouching_ignores_ctx_and_threads_only():
-    base = serving.ServeConfig(4, 64, 1024, 2)
-    assert base.vouched_by(serving.ServeConfig(4, 64, 99999, 7))
-    for other in (serving.ServeConfig(2, 64, 1024, 2), serving.ServeConfig(4, 32, 1024, 2),
-                  serving.ServeConfig(4, 64, 1024, 2, kv_unified=True), serving.ServeConfig(4, 64, 1024, 2, "off")):
+    base = serve_config.ServeConfig(4, 64, 1024, 2)
+    assert base.vouched_by(serve_config.ServeConfig(4, 64, 99999, 7))
+    cfg = serve_config.ServeConfig
+    for other in (cfg(2, 64, 1024, 2), cfg(4, 32, 1024, 2), cfg(4, 64, 1024, 2, kv_unified=True),
+                  cfg(4, 64, 1024, 2, "off")):
         assert not base.vouched_by(other)
 
 
 def test_a_vulkan_device_puts_every_layer_on_it_with_flash_attention_and_without_op_offload():
-    assert serving.device_args("cpu", "exact") == [] and serving.flash_attn_for("cpu", "exact") == "auto"
-    a = serving.device_args("vulkan:1", "exact")  # the server is shown vulkan:1 alone: its Vulkan0
+    assert serve_config.device_args("cpu", "exact") == [] and serve_config.flash_attn_for("cpu", "exact") == "auto"
+    a = serve_config.device_args("vulkan:1", "exact")  # the server is shown vulkan:1 alone: its Vulkan0
     assert a[a.index("-dev") + 1] == "Vulkan0" and a[a.index("-ngl") + 1] == "999" and "--no-op-offload" in a
-    assert serving.flash_attn_for("vulkan:1", "exact") == "on"  # the exact flavor's own (patch 0012)
-    assert serving.flash_attn_for("cuda:0", "exact") == serving.flash_attn_for("hip:0", "exact") == "off"
-    assert "--no-op-offload" not in serving.device_args("vulkan:0", "stock")  # stock: llama.cpp's defaults
-    assert serving.flash_attn_for("vulkan:0", "stock") == "auto"
+    assert serve_config.flash_attn_for("vulkan:1", "exact") == "on"  # the exact flavor's own (patch 0012)
+    assert serve_config.flash_attn_for("cuda:0", "exact") == serve_config.flash_attn_for("hip:0", "exact") == "off"
+    assert "--no-op-offload" not in serve_config.device_args("vulkan:0", "stock")  # stock: llama.cpp's defaults
+    assert serve_config.flash_attn_for("vulkan:0", "stock") == "auto"
 
 
 def test_the_fingerprint_names_a_gpu_and_its_driver_and_leaves_cpu_ones_as_they_were():
-    cpu = serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64)
-    assert cpu == serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "cpu")
+    cpu = serve_config.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64)
+    assert cpu == serve_config.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "cpu")
     assert cpu == f"dflash-exact-{'k' * 16}-server-{'s' * 8}-model-{'m' * 16}"
-    lvp = serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "vulkan:0 llvmpipe / llvmpipe Mesa 22.3.6")
-    radv = serving.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "vulkan:0 AMD Radeon / radv Mesa 25.0.7")
+    lvp = serve_config.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "vulkan:0 llvmpipe / llvmpipe Mesa 22.3.6")
+    radv = serve_config.fingerprint("exact", "k" * 16, "s" * 64, "m" * 64, "vulkan:0 AMD Radeon / radv Mesa 25.0.7")
     assert "-vulkan0-" in lvp and lvp != radv and lvp != cpu
 
 
 @pytest.mark.parametrize("option", ["--no-op-offload", "--op-offload", "-dev", "-ngl"])
 def test_placement_options_are_dflashs(option):
     with pytest.raises(UsageError, match="--device"):
-        serving.check_extra([option], allow_inexact=True)
+        serve_config.check_extra([option], allow_inexact=True)
 
 
 @pytest.mark.parametrize("extra, word", [(["-np", "8"], "--parallel"), (["--ubatch-size=32"], "--ubatch"),
@@ -77,38 +79,38 @@ def test_placement_options_are_dflashs(option):
                                          (["-m", "x.gguf"], "--model"), (["--port", "1"], "--port")])
 def test_managed_options_are_refused_even_with_allow_inexact(extra, word):
     with pytest.raises(UsageError, match=word):
-        serving.check_extra(extra, allow_inexact=True)
+        serve_config.check_extra(extra, allow_inexact=True)
 
 
 @pytest.mark.parametrize("extra", [["--cache-reuse", "256"], ["--cache-reuse=16"], ["-ctk", "q8_0"],
                                    ["--lora", "a.gguf"], ["--rope-freq-base", "1e6"], ["-md", "d.gguf"]])
 def test_inexact_options_need_allow_inexact(extra):
     with pytest.raises(UsageError, match="breaks exactness.*--allow-inexact"):
-        serving.check_extra(extra, allow_inexact=False)
-    warnings = serving.check_extra(extra, allow_inexact=True)
+        serve_config.check_extra(extra, allow_inexact=False)
+    warnings = serve_config.check_extra(extra, allow_inexact=True)
     assert len(warnings) == 1 and extra[0].split("=")[0] in warnings[0]
 
 
 def test_harmless_options_pass():
-    assert serving.check_extra(["--cache-reuse", "0", "--chat-template", "chatml", "--metrics", "-n", "-1",
+    assert serve_config.check_extra(["--cache-reuse", "0", "--chat-template", "chatml", "--metrics", "-n", "-1",
                                 "--temp", "-0.5", "--slot-prompt-similarity", "0.1"], allow_inexact=False) == []
 
 
 def test_bind_address_needs_both_remote_flags():
-    assert serving.bind_address("127.0.0.1", False, None) == ("127.0.0.1", None)
-    assert serving.bind_address("127.5.0.1", False, None)[1] is None
+    assert serve_config.bind_address("127.0.0.1", False, None) == ("127.0.0.1", None)
+    assert serve_config.bind_address("127.5.0.1", False, None)[1] is None
     for allow, key, missing in ((False, None, "--allow-remote and --api-key"), (True, None, "--api-key"),
                                 (False, "k", "--allow-remote")):
         with pytest.raises(UsageError, match=missing):
-            serving.bind_address("10.1.2.3", allow, key)
-    host, warning = serving.bind_address("10.1.2.3", True, "k")
+            serve_config.bind_address("10.1.2.3", allow, key)
+    host, warning = serve_config.bind_address("10.1.2.3", True, "k")
     assert host == "10.1.2.3" and "not encrypted" in warning
     with pytest.raises(UsageError, match="not an IP address"):
-        serving.bind_address("example.org", True, "k")
+        serve_config.bind_address("example.org", True, "k")
 
 
 def test_fingerprint_names_flavor_builds_and_model():
-    fp = serving.fingerprint("exact", "0123456789abcdef", "fedcba9876543210", "ab" * 32)
+    fp = serve_config.fingerprint("exact", "0123456789abcdef", "fedcba9876543210", "ab" * 32)
     assert fp == "dflash-exact-0123456789abcdef-server-fedcba98-model-abababababababab"
 
 
@@ -144,12 +146,12 @@ def _entry(exact=True, n=10, solo=10, pre=10):
 def test_record_round_trip_and_merge(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     serve_record.save(IDENT, "/m.gguf", [_entry()])
-    other = serve_record.Entry(serving.ServeConfig(1, 512, 1024, 2), 10, 10, 10, 3, True, "/ev2")
+    other = serve_record.Entry(serve_config.ServeConfig(1, 512, 1024, 2), 10, 10, 10, 3, True, "/ev2")
     rec = serve_record.save(IDENT, "/m.gguf", [other, _entry(exact=False, solo=9)])
     assert serve_record.load(IDENT) == rec
     assert [e.config.parallel for e in rec.configs] == [1, 4] and not rec.configs[1].exact
-    assert serve_record.find(rec, serving.ServeConfig(4, 512, 4096, 8)) is None  # the failed entry replaced it
-    assert serve_record.find(rec, serving.ServeConfig(1, 512, 4096, 8)) == other
+    assert serve_record.find(rec, serve_config.ServeConfig(4, 512, 4096, 8)) is None  # the failed entry replaced it
+    assert serve_record.find(rec, serve_config.ServeConfig(1, 512, 4096, 8)) == other
 
 
 @pytest.mark.parametrize("mutate, word", [
@@ -238,7 +240,7 @@ def test_response_parts_from_a_stream_and_a_body():
 
 
 def test_checkpoint_spacing_is_the_lcm_of_the_compress_ratios():
-    assert serving.checkpoint_every([0, 0, 4, 128, 4, 128]) == 128
-    assert serving.checkpoint_every([4, 4]) == 4
-    assert serving.checkpoint_every([6, 4, 0]) == 12
-    assert serving.checkpoint_every([]) == serving.checkpoint_every([0, 0]) == 0
+    assert serve_config.checkpoint_every([0, 0, 4, 128, 4, 128]) == 128
+    assert serve_config.checkpoint_every([4, 4]) == 4
+    assert serve_config.checkpoint_every([6, 4, 0]) == 12
+    assert serve_config.checkpoint_every([]) == serve_config.checkpoint_every([0, 0]) == 0

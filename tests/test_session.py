@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import dflash
-from dflash import build, engine, prefill, settings
-from dflash.bands import from_widths
-from dflash.errors import LibraryNotBuilt, LlamaError, NotExactError, UsageError
+from dflash.core import settings
+from dflash.core.errors import LibraryNotBuilt, LlamaError, NotExactError, UsageError
+from dflash.native import build
+from dflash.run import engine, prefill
+from dflash.run.bands import from_widths
 from dflash.session import Session
 
 from .conftest import CLEAN_ENV, ROOT, TEST_THREADS, run_dflash, run_json

@@ -1,8 +1,8 @@
 """Environment flags and options resolve in one place, with one-line errors for bad values."""
 import pytest
 
-from dflash import settings
-from dflash.errors import UsageError
+from dflash.core import settings
+from dflash.core.errors import UsageError
 
 
 def test_defaults_are_q1_with_upstream_ceiling():

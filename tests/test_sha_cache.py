@@ -1,4 +1,4 @@
-"""provenance.file_sha256: the model hash is remembered, but never for bytes the file no longer holds."""
+"""sha_cache.file_sha256: the model hash is remembered, but never for bytes the file no longer holds."""
 import hashlib
 import json
 import os
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash import build, provenance
-from dflash.errors import DflashError
+from dflash.core import sha_cache
+from dflash.core.errors import DflashError
+from dflash.native import build
 
 
 @pytest.fixture(autouse=True)
@@ -30,42 +31,42 @@ def sha(data: bytes) -> str:
 
 def count_hashing(monkeypatch) -> list:
     calls = []
-    real = provenance.sha256_file
+    real = sha_cache.sha256_file
 
     def counting(path, *args):
         calls.append(path)
         return real(path, *args)
-    monkeypatch.setattr(provenance, "sha256_file", counting)
+    monkeypatch.setattr(sha_cache, "sha256_file", counting)
     return calls
 
 
 def test_cache_follows_cache_root_and_is_reused(model, cache, tmp_path, monkeypatch):
     calls = count_hashing(monkeypatch)
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     assert cache.is_file() and cache.parent == tmp_path / "cache" / "dflash"
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     assert len(calls) == 1  # the second answer came from the cache
     assert [p.name for p in cache.parent.iterdir()] == ["sha256-cache.json"]  # no temp file left
 
 
 def test_same_size_edit_with_mtime_restored_is_rehashed(model):
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     st = model.stat()
     with open(model, "r+b") as f:  # same inode, same size, other bytes
         f.write(b"B" * 4096)
     os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert model.stat().st_mtime_ns == st.st_mtime_ns and model.stat().st_size == st.st_size
-    assert provenance.file_sha256(str(model)) == sha(b"B" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"B" * 4096)
 
 
 def test_replaced_file_with_same_size_and_mtime_is_rehashed(model, tmp_path):
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     st = model.stat()
     other = tmp_path / "other"
     other.write_bytes(b"C" * 4096)
     os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
     os.replace(other, model)
-    assert provenance.file_sha256(str(model)) == sha(b"C" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"C" * 4096)
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b"[1, 2]", b"null", b'"text"',
@@ -74,22 +75,22 @@ def test_corrupt_cache_is_ignored_and_replaced(model, cache, content, monkeypatc
     cache.parent.mkdir(parents=True)
     cache.write_bytes(content)
     calls = count_hashing(monkeypatch)
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     assert len(calls) == 1  # the corrupt cache was replaced by a working one
 
 
 def test_poisoned_entry_is_not_trusted(model, cache):
-    provenance.file_sha256(str(model))
+    sha_cache.file_sha256(str(model))
     entries = json.loads(cache.read_bytes())
     entries[os.path.realpath(model)]["sha256"] = "not a hash"
     cache.write_text(json.dumps(entries))
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
 
 
 def test_cache_that_is_a_directory_or_fifo_is_no_error(model, cache):
     cache.mkdir(parents=True)
-    assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+    assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     cache.rmdir()
     os.mkfifo(cache)
 
@@ -98,14 +99,14 @@ def test_cache_that_is_a_directory_or_fifo_is_no_error(model, cache):
     old = signal.signal(signal.SIGALRM, blocked)
     signal.alarm(10)
     try:
-        assert provenance.file_sha256(str(model)) == sha(b"A" * 4096)
+        assert sha_cache.file_sha256(str(model)) == sha(b"A" * 4096)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
 
 
 def test_failed_cache_write_leaves_no_temp_file_and_the_old_cache(model, cache, tmp_path, monkeypatch):
-    provenance.file_sha256(str(model))
+    sha_cache.file_sha256(str(model))
     before = cache.read_bytes()
     second = tmp_path / "second.gguf"
     second.write_bytes(b"D")
@@ -113,18 +114,18 @@ def test_failed_cache_write_leaves_no_temp_file_and_the_old_cache(model, cache, 
     def fail(*_):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(os, "replace", fail)
-    assert provenance.file_sha256(str(second)) == sha(b"D")
+    assert sha_cache.file_sha256(str(second)) == sha(b"D")
     assert cache.read_bytes() == before
     assert [p.name for p in cache.parent.iterdir()] == ["sha256-cache.json"]
 
 
 def test_file_changed_while_hashing_is_an_error(model, monkeypatch):
-    real = provenance.sha256_file
+    real = sha_cache.sha256_file
 
     def hash_then_edit(path, *args):
         h = real(path, *args)
         Path(path).write_bytes(b"E" * 4096)
         return h
-    monkeypatch.setattr(provenance, "sha256_file", hash_then_edit)
+    monkeypatch.setattr(sha_cache, "sha256_file", hash_then_edit)
     with pytest.raises(DflashError, match="changed while"):
-        provenance.file_sha256(str(model))
+        sha_cache.file_sha256(str(model))

@@ -1,11 +1,11 @@
-"""dflash.stats: known values, refusals, and properties that hold for any sample."""
+"""dflash.core.stats: known values, refusals, and properties that hold for any sample."""
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dflash import stats
+from dflash.core import stats
 
 samples = st.lists(st.floats(min_value=-1e9, max_value=1e9, allow_nan=False), min_size=1, max_size=50)
 

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from dflash import sweep
-from dflash.errors import UsageError
-from dflash.sweep import repeat_to
+from dflash.compare import sweep
+from dflash.compare.sweep import repeat_to
+from dflash.core.errors import UsageError
 
 from .conftest import ROOT, run_dflash, run_json
 from .test_cli import assert_one_line_error

@@ -9,8 +9,8 @@ import stat
 import numpy as np
 import pytest
 
-from dflash import tiny_model
-from dflash.errors import DflashError
+from dflash.core.errors import DflashError
+from dflash.model import tiny_model
 
 from .conftest import run_dflash, run_json
 

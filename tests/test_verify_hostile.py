@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash import evidence as ev
-from dflash.settings import ENV_DEBUG, ENV_FLAGS
+from dflash.core.settings import ENV_DEBUG, ENV_FLAGS
+from dflash.proof import evidence as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "evidence" / "example-bench-tiny"

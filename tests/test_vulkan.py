@@ -19,7 +19,7 @@ llama.cpp's own routing in the same build (DFLASH_VK_EXACT=0: mat-vec up to 8 co
 beyond, split-K, flash attention tuned per batch, the add+norm fusion), the stock twin.
 
 Contraction: every floating-point operation of the exact flavor's product shaders, as embedded in
-the library, is decorated NoContraction (dflash/spirv.py reads the shipped SPIR-V; a module with
+the library, is decorated NoContraction (dflash/native/spirv.py reads the shipped SPIR-V; a module with
 one decoration removed is the twin), so a driver cannot fuse or split them differently per path.
 
 Precision: the exact flavor computes in f32 (stock's wide products use f16-accumulating pipelines on
@@ -59,8 +59,9 @@ import sys
 
 import pytest
 
-from dflash import build, devices, server, spirv
-from dflash.errors import DflashError
+from dflash.core.errors import DflashError
+from dflash.native import build, devices, spirv
+from dflash.serving import server
 
 from .conftest import run_dflash, run_json
 from .test_cpu_kernels import compile_harness
@@ -385,6 +386,7 @@ def test_the_f16_and_k_quant_presets_are_bit_identical_to_q1_on_lavapipe(lavapip
     assert not any(bad.values()), bad
 
 
+@pytest.mark.long
 def test_flash_attention_splits_are_bit_identical_to_q1_at_model_level(lavapipe, tiny_models):
     """Flash attention is on in the exact flavor (patch 0012: splits of 256 cells from cell 0). Over
     270 tokens the band of 9 at positions 252..260 runs over a cache view of 512 cells (two splits,
@@ -464,6 +466,7 @@ def test_a_cpu_and_vulkan_split_is_bit_identical_to_q1(lavapipe, tiny_models, ge
 RPC_PROMPT = "The band scheduler picks exact widths for every step of a prefill."
 
 
+@pytest.mark.long
 def test_a_vulkan_device_behind_rpc_server_is_bit_identical_to_q1(lavapipe, gemma, tmp_path):
     """`dflash rpc-server --device vulkan:0` on loopback, every layer of Gemma 3 270M on it (rpc:0)
     and a CPU + remote Vulkan split (cpu,rpc:0): bands of 4 give the logits and response of q1 on
@@ -518,6 +521,7 @@ SERVE_PROMPT = ("Exact serving on a GPU: every response equals the same request 
                 "token per step, on the same device and driver, bit for bit, from prompt to last token.")
 
 
+@pytest.mark.long
 def test_serving_on_vulkan_is_identical_to_solo_cold_runs_and_q1(lavapipe):
     """`dflash qualify --serve --device vulkan:0` on the tiny DeepSeek-V4 model: llama-server on the
     exact Vulkan build, every layer on lavapipe, one and two slots with prompts in ubatches of 16

@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflash import engine, session, settings, sweep
+from dflash import session
+from dflash.compare import sweep
+from dflash.core import settings
+from dflash.run import engine
 
 N_PREDICT = 4
 

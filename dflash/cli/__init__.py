@@ -11,24 +11,34 @@ import traceback
 
 import click
 
-from ..errors import DflashError
-from ..settings import debug_flag
-from ..stage import Interrupted
+from dflash.core.errors import DflashError
+from dflash.core.settings import ENV_DOCS, debug_flag
+from dflash.core.stage import Interrupted
 
-EPILOG = ("Exit codes: 0 ok; 1 runtime error (a crash inside llama.cpp included); 2 bad input; 3 no GPU device; "
-          "4 an exactness check failed (--compare-q1, bench, sweep, matrix: results differ bit for bit); "
-          "130 interrupted.")
+EPILOG = ("Exit codes: 0 ok; 1 runtime error (a crash inside llama.cpp included); 2 bad input; 3 no GPU "
+          "device; 4 an exactness check failed (--compare-q1, bench, sweep, matrix: results differ bit for bit); "
+          "130 interrupted.\n\n\b\nEnvironment flags (read by every command; a flag named beside one overrides it):\n"
+          + "\n".join(f"  {name:<31} {doc}" for name, doc in ENV_DOCS.items()))
+
+
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from dflash.cli import version
+    click.echo(version.text(version.facts()))
+    ctx.exit()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-@click.version_option(package_name="dflash")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors [env: DFLASH_DEBUG].")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show dflash's version, the llama.cpp commit it builds and this host's build keys, and exit.")
 def cli(debug: bool) -> None:
     """dflash: exact, faster prefill for llama.cpp models."""
 
 
 def _register() -> None:
-    from . import (
+    from dflash.cli import (
         bench_cmd,
         build_cmd,
         devices_cmd,
@@ -38,6 +48,7 @@ def _register() -> None:
         plan_cmd,
         prefill_cmd,
         qualify_cmd,
+        records_cmd,
         rpc_cmd,
         serve_cmd,
         sweep_cmd,
@@ -45,7 +56,7 @@ def _register() -> None:
         verify_cmd,
     )
     for mod in (plan_cmd, prefill_cmd, bench_cmd, sweep_cmd, verify_cmd, qualify_cmd, diff_cmd, matrix_cmd,
-                devices_cmd, tiny_cmd, build_cmd, rpc_cmd, memory_cmd, serve_cmd):
+                devices_cmd, tiny_cmd, build_cmd, rpc_cmd, memory_cmd, serve_cmd, records_cmd):
         for c in getattr(mod, "commands", None) or [mod.command]:
             cli.add_command(c)
 

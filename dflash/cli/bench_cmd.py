@@ -4,10 +4,8 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from ..errors import NotExactError
-from ..results import BenchResult
-from . import output
-from .options import (
+from dflash.cli import output
+from dflash.cli.options import (
     Command,
     chunk_option,
     device_option,
@@ -19,6 +17,8 @@ from .options import (
     read_prompt,
     threads_option,
 )
+from dflash.core.errors import NotExactError
+from dflash.core.results import BenchResult
 
 
 @click.command("bench", cls=Command)

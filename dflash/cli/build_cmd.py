@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import click
 
-from .. import build, cpu_isa
-from ..errors import DflashError
-from . import output
-from .options import Command
+from dflash.cli import output
+from dflash.cli.options import Command
+from dflash.core import cpu_isa
+from dflash.core.errors import DflashError
+from dflash.native import build
 
 
 @click.command("build", cls=Command)

@@ -8,10 +8,10 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from .. import devices, kernel_selftest
-from ..errors import DflashError, UsageError
-from . import output
-from .options import Command
+from dflash.cli import output
+from dflash.cli.options import Command
+from dflash.core.errors import DflashError, UsageError
+from dflash.native import devices, kernel_selftest
 
 
 @click.command("devices", cls=Command)

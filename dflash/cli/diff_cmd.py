@@ -9,11 +9,8 @@ from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import bands, diff, settings
-from ..errors import UsageError
-from ..results import DiffResult
-from . import output
-from .options import (
+from dflash.cli import output
+from dflash.cli.options import (
     Command,
     device_option,
     lib_option,
@@ -23,6 +20,11 @@ from .options import (
     read_prompt,
     threads_option,
 )
+from dflash.core import settings
+from dflash.core.errors import UsageError
+from dflash.core.results import DiffResult
+from dflash.proof import diff
+from dflash.run import bands
 
 
 @click.command("diff", cls=Command, short_help="Name the first graph node that differs between two prefill schedules.",

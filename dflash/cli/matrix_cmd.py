@@ -5,12 +5,15 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from .. import choice, gguf_meta, matrix, settings
-from .. import rpc as rpc_mod
-from ..errors import NotExactError
-from ..results import MatrixResult
-from . import output
-from .options import Command, chunk_option, cpu_option, read_prompt
+from dflash.cli import output
+from dflash.cli.options import Command, chunk_option, cpu_option, read_prompt
+from dflash.compare import matrix
+from dflash.core import settings
+from dflash.core.errors import NotExactError
+from dflash.core.results import MatrixResult
+from dflash.model import gguf_meta
+from dflash.native import rpc as rpc_mod
+from dflash.proof import choice
 
 
 @click.command("matrix", cls=Command)

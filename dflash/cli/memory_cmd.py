@@ -4,10 +4,8 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from .. import memory
-from ..results import MemoryResult
-from . import output
-from .options import (
+from dflash.cli import output
+from dflash.cli.options import (
     Command,
     ctx_option,
     device_option,
@@ -17,6 +15,8 @@ from .options import (
     parse_widths,
     threads_option,
 )
+from dflash.core.results import MemoryResult
+from dflash.run import memory
 
 
 @click.command("memory", cls=Command)

@@ -10,10 +10,12 @@ from typing import Any, TypeVar
 
 import click
 
-from .. import cpu_isa, engine, gguf_meta, settings, tiny_model
-from ..errors import UsageError, arg
-from ..session import Session
-from . import output
+from dflash.cli import output
+from dflash.core import cpu_isa, settings
+from dflash.core.errors import UsageError, arg
+from dflash.model import gguf_meta, tiny_model
+from dflash.run import engine
+from dflash.session import Session
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,7 +85,7 @@ def cpu_option(f: F) -> F:
     return click.option("--cpu", type=click.Choice(cpu_isa.CPU_VARIANTS), default=None, expose_value=False,
                         callback=_env_for_command(settings.ENV_CPU), is_eager=True,
                         help=f"CPU build variant of the library (`dflash build --cpu`): native (-march=native), "
-                             f"avx512, avx512-noamx or avx2 [default: {settings.ENV_CPU}, else native].")(f)
+                             f"avx512, avx512-noamx or avx2 [default: native; env: {settings.ENV_CPU}].")(f)
 
 
 def indexer_tile_option(f: F) -> F:
@@ -91,7 +93,7 @@ def indexer_tile_option(f: F) -> F:
                         expose_value=False, callback=_env_for_command(settings.ENV_TILE), is_eager=True, metavar="N",
                         help="DeepSeek-V4 (exact library): score and take the indexer's top-k over a ubatch's "
                              "query rows N at a time, bit-identical, so the score scratch follows N instead of "
-                             f"the width; 0: the whole ubatch [default: {settings.ENV_TILE}, else 0].")(f)
+                             f"the width; 0: the whole ubatch [default: 0; env: {settings.ENV_TILE}].")(f)
 
 
 def lib_option(f: F) -> F:
@@ -132,7 +134,7 @@ def run_options(f: F) -> F:
     """--chunk, --bands/--no-bands, --threads, --lib: how prefill runs."""
     f = lib_option(threads_option(f))
     f = click.option("--bands/--no-bands", default=None,
-                     help=f"Use q2..q4 bands (overrides {settings.ENV_BANDS}; default: the env flag, else q1).")(f)
+                     help=f"Use q2..q4 bands [default: q1; env: {settings.ENV_BANDS}].")(f)
     return chunk_option(f)
 
 

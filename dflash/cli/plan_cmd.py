@@ -4,12 +4,15 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from .. import choice, devices, gguf_meta, proofs, settings
-from .. import rpc as rpc_mod
-from ..bands import FULL, Q1, Band, fixed_bands, plan, positive_ratios, widths
-from ..errors import UsageError
-from . import output
-from .options import Command, chunk_option, device_option, lib_option
+from dflash.cli import output
+from dflash.cli.options import Command, chunk_option, device_option, lib_option
+from dflash.core import settings
+from dflash.core.errors import UsageError
+from dflash.model import gguf_meta
+from dflash.native import devices
+from dflash.native import rpc as rpc_mod
+from dflash.proof import choice, records
+from dflash.run.bands import FULL, Q1, Band, fixed_bands, plan, positive_ratios, widths
 
 DS4_RATIOS = "4,128"
 
@@ -57,7 +60,7 @@ def command(n_tokens: int, start: int, ratios: str | None, model: str | None, ch
     remote = rpc_mod.connect(rpc, devices.parse_spec(device).rpc_ids, allow_mixed_builds)  # records name their builds
     s = choice.choose(settings.Settings.from_env(lib=lib).env, bands=bands, chunk=chunk, lib=lib, model=model,
                       device=device, remote=remote, repack=not no_repack, warn=output.warn, note=output.note)
-    s, beyond = proofs.for_prompt(s, start + n_tokens)  # a record covers prompts up to a length
+    s, beyond = records.for_prompt(s, start + n_tokens)  # a record covers prompts up to a length
     extra = [beyond] if beyond else []
     for w in extra:  # on stderr, and among the JSON's warnings
         output.warn(w)

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import click
 
-from ..bands import summarize_widths
-from ..results import PrefillResult
-from ..session import Session
-from . import output
-from .options import (
+from dflash.cli import output
+from dflash.cli.options import (
     Command,
     ctx_option,
     device_option,
@@ -18,6 +15,9 @@ from .options import (
     read_prompt,
     run_options,
 )
+from dflash.core.results import PrefillResult
+from dflash.run.bands import summarize_widths
+from dflash.session import Session
 
 
 @click.command("prefill", cls=Command)

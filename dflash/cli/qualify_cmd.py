@@ -10,13 +10,9 @@ from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from .. import gguf_meta, proofs, qualify, serve_workload, serving, settings
-from .. import serve as serve_lib
-from ..errors import NotExactError, UsageError
-from ..results import QualifyResult, RunCheck
-from ..serve_check import ServeQualifyResult
-from . import output
-from .options import (
+from dflash import serve as serve_lib
+from dflash.cli import output
+from dflash.cli.options import (
     Command,
     device_option,
     lib_option,
@@ -27,6 +23,13 @@ from .options import (
     read_prompt,
     threads_option,
 )
+from dflash.core import settings
+from dflash.core.errors import NotExactError, UsageError
+from dflash.core.results import QualifyResult, RunCheck
+from dflash.model import gguf_meta
+from dflash.proof import qualify, records
+from dflash.serving import serve_config, serve_workload
+from dflash.serving.serve_check import ServeQualifyResult
 
 
 @click.command("qualify", cls=Command, short_help="Which band widths are bit-identical to q1 (per-width verdicts, a "
@@ -47,7 +50,7 @@ from .options import (
 @click.option("--serve", is_flag=True,
               help="Qualify llama-server configurations instead of band widths (see below; --widths, --prompt, "
                    "--resume-at and --n-predict do not apply).")
-@click.option("--parallel", type=click.IntRange(1, serving.MAX_PARALLEL), default=4, show_default=True,
+@click.option("--parallel", type=click.IntRange(1, serve_config.MAX_PARALLEL), default=4, show_default=True,
               help="With --serve: the slots to qualify (1 is always qualified too).")
 @click.option("--ubatch", type=click.IntRange(1, settings.MAX_CHUNK), default=512, show_default=True,
               help="With --serve: tokens per llama_decode (-b/-ub).")
@@ -121,7 +124,7 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
 def _serve(model: str | None, weights: str, lib: str, device: str, threads: int | None, parallel: int, ubatch: int,
            max_tokens: int, prefix_words: int, ctx: int, extra: list[str], evidence_dir: str | None,
            as_json: bool) -> None:
-    serving.check_extra(extra, allow_inexact=False)
+    serve_config.check_extra(extra, allow_inexact=False)
     target = serve_lib.target(model, weights=weights, lib=lib, device=device, extra=extra,
                               settings=settings.Settings.from_env(lib=lib), build_missing=True, log=output.note)
     chat = "--chat-template" in extra or "--chat-template-file" in extra or gguf_meta.has_chat_template(
@@ -215,10 +218,10 @@ def _print_human(result: QualifyResult) -> None:
             f"(recorded widths {_ws(list(q.widths))})", highlight=False, markup=False)
     o.print(f"record    {escape(q.record.path)}", highlight=False)
     try:
-        stored = proofs.read(q.record.path)
-        o.print(f"vouches   for {proofs.describe_runtime(stored.identity)}, prompts up to {r.n_tokens} tokens",
+        stored = records.read(q.record.path)
+        o.print(f"vouches   for {records.describe_runtime(stored.identity)}, prompts up to {r.n_tokens} tokens",
                 highlight=False, markup=False)
-    except proofs.RecordError:  # replaced meanwhile: the path says where it is
+    except records.RecordError:  # replaced meanwhile: the path says where it is
         pass
     if not r.all_exact:
         o.print("[yellow]not every width is exact on this build[/yellow] (qualify reports; exit code 0)")

@@ -11,11 +11,13 @@ import time
 
 import click
 
-from .. import devices, engine, llama, proofs, rpc, settings, stage
-from ..errors import DflashError, UsageError
-from ..results import Library, RpcServerResult
-from . import output
-from .options import Command, lib_option, threads_option
+from dflash.cli import output
+from dflash.cli.options import Command, lib_option, threads_option
+from dflash.core import settings, stage
+from dflash.core.errors import DflashError, UsageError
+from dflash.core.results import Library, RpcServerResult
+from dflash.native import devices, library_id, llama, rpc
+from dflash.run import engine
 
 START_SECONDS = 30.0  # how long the server may take to answer its own handshake
 
@@ -58,7 +60,7 @@ def command(host: str, port: int, threads: int | None, lib: str, device: str, al
     devices.require_gpu(device)  # exit 3 before any build
     _port_free(host, port)
     kind = spec.kind
-    build = proofs.build_id(s, kind)
+    build = library_id.build_id(s, kind)
     os.environ[rpc.ENV_BUILD_ID] = rpc.build_id_text(build, s.lib, str(spec))  # before llama.cpp loads
     index = engine.gpu_index(spec)
     lib_dir = engine.load_library(s, output.note, gpu="none" if kind == "cpu" else kind, build_missing=True)

@@ -10,10 +10,11 @@ from types import FrameType
 
 import click
 
-from .. import serve as serve_lib
-from .. import server, serving, settings
-from . import output
-from .options import Command, lib_option, model_option
+from dflash import serve as serve_lib
+from dflash.cli import output
+from dflash.cli.options import Command, lib_option, model_option
+from dflash.core import settings
+from dflash.serving import serve_config, server
 
 DEFAULT_CTX = 4096
 
@@ -23,8 +24,8 @@ DEFAULT_CTX = 4096
 @model_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --allow-remote and --api-key.")
-@click.option("--port", type=click.IntRange(1, 65535), default=serving.DEFAULT_PORT, show_default=True)
-@click.option("--parallel", type=click.IntRange(1, serving.MAX_PARALLEL), default=None,
+@click.option("--port", type=click.IntRange(1, 65535), default=serve_config.DEFAULT_PORT, show_default=True)
+@click.option("--parallel", type=click.IntRange(1, serve_config.MAX_PARALLEL), default=None,
               help="Slots (requests decoded together) [default: the serve record's configuration, else 1]. "
                    "More than 1 needs a serve record that vouches for it (`dflash qualify --serve`).")
 @click.option("--ubatch", type=click.IntRange(1, settings.MAX_CHUNK), default=None,
@@ -66,9 +67,9 @@ def command(model: str | None, weights: str, host: str, port: int, parallel: int
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    host, remote_warning = serving.bind_address(host, allow_remote, api_key)
+    host, remote_warning = serve_config.bind_address(host, allow_remote, api_key)
     extra_args = list(extra)
-    warnings = serving.check_extra(extra_args, allow_inexact)
+    warnings = serve_config.check_extra(extra_args, allow_inexact)
     server.check_port(host, port)
     s = settings.Settings.from_env(lib=lib)
     target = serve_lib.target(model, weights=weights, lib=lib, device=device, extra=extra_args, settings=s,

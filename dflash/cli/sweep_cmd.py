@@ -7,11 +7,22 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .. import devices, evidence, provenance, settings, sweep
-from ..errors import DflashError, NotExactError, UsageError
-from ..fileio import write_atomic
-from . import output
-from .options import Command, cpu_option, indexer_tile_option, model_option, prompt_options, read_prompt, threads_option
+from dflash.cli import output
+from dflash.cli.options import (
+    Command,
+    cpu_option,
+    indexer_tile_option,
+    model_option,
+    prompt_options,
+    read_prompt,
+    threads_option,
+)
+from dflash.compare import sweep
+from dflash.core import settings
+from dflash.core.errors import DflashError, NotExactError, UsageError
+from dflash.core.fileio import write_atomic
+from dflash.native import devices
+from dflash.proof import evidence, provenance
 
 
 @click.command("sweep", cls=Command)

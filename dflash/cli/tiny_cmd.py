@@ -5,11 +5,13 @@ from pathlib import Path
 
 import click
 
-from .. import engine, gguf_meta, settings, tiny_model
-from ..errors import DflashError
-from ..fileio import sha256_file
-from . import output
-from .options import Command, cpu_option
+from dflash.cli import output
+from dflash.cli.options import Command, cpu_option
+from dflash.core import settings
+from dflash.core.errors import DflashError
+from dflash.core.fileio import sha256_file
+from dflash.model import gguf_meta, tiny_model
+from dflash.run import engine
 
 
 def _out_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from .. import evidence
-from ..errors import DflashError, UsageError
-from . import output
-from .options import Command
+from dflash.cli import output
+from dflash.cli.options import Command
+from dflash.core.errors import DflashError, UsageError
+from dflash.proof import evidence
 
 
 @click.command("verify", cls=Command)

@@ -1,7 +1,7 @@
 """The llama.cpp library build key (dflash/native/build.py): which inputs it sees, per flavor and GPU.
 
 Every test runs on a temporary copy of the key's inputs (the CMake files, cpu_kernels/patches and
-hip_kernels), with build.REPO_ROOT pointed at it: the checkout is never touched, and nothing is
+hip_kernels), with build.SOURCE_ROOT pointed at it: the checkout is never touched, and nothing is
 built (no cmake), only keys are computed."""
 import re
 import shutil
@@ -38,7 +38,7 @@ def keys(gpu="none"):
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
     """A copy of the build inputs that build_key reads instead of the checkout."""
-    real = build.REPO_ROOT
+    real = build.SOURCE_ROOT
     real_keys = keys()
     root = tmp_path / "checkout"
     for rel in INPUTS:
@@ -48,10 +48,10 @@ def repo(tmp_path, monkeypatch):
             shutil.copytree(src, dst, symlinks=False)
         else:
             shutil.copy2(src, dst)
-    monkeypatch.setattr(build, "REPO_ROOT", root)
+    monkeypatch.setattr(build, "SOURCE_ROOT", root)
     try:
         from dflash.core import paths
-        monkeypatch.setattr(paths, "REPO_ROOT", root)
+        monkeypatch.setattr(paths, "SOURCE_ROOT", root)
     except ImportError:
         pass
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -173,7 +173,7 @@ def test_install_dir_is_named_by_flavor_and_key(repo, tmp_path):
 
 def test_a_tree_without_cmakelists_is_refused(repo):
     (repo / "CMakeLists.txt").unlink()
-    with pytest.raises(DflashError, match="source checkout"):
+    with pytest.raises(DflashError, match="CMake project and patch sets"):
         build.build_key("exact")
 
 
@@ -270,7 +270,7 @@ def test_the_gpu_key_hashes_what_the_patch_step_opens(tmp_path):
     for sub in ("ggml-cuda", "ggml-hip"):
         shutil.copytree(pinned / "ggml" / "src" / sub, src / "ggml" / "src" / sub, symlinks=True)
     trace = tmp_path / "trace.txt"
-    root = build.REPO_ROOT.resolve()
+    root = build.SOURCE_ROOT.resolve()
     cmd = [strace, "-f", "-qq", "-s", "4096", "-e", "trace=open,openat,execve", "-o", str(trace), "cmake",
            f"-DSRC={src}", f"-DPATCH_DIR={root / 'hip_kernels'}", "-P", str(root / "hip_kernels" / "apply_patch.cmake")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

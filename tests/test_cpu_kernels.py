@@ -30,7 +30,7 @@ try:  # lands with the CPU variants
 except ImportError:  # pragma: no cover
     cpu_isa = None
 
-ROOT = build.REPO_ROOT
+ROOT = build.SOURCE_ROOT
 SOURCE = ROOT / "cpu_kernels" / "tests" / "invariance.cpp"
 NATIVE = "native"
 VARIANTS = tuple(getattr(build, "CPU_VARIANTS", (NATIVE,)))

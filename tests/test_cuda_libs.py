@@ -214,7 +214,7 @@ def test_the_gpu_cmake_file_hands_the_folder_to_findcudatoolkit(tmp_path):
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.fail("cmake is missing (scripts/setup installs it)")
-    src = (build.REPO_ROOT / "cmake" / "llama_gpu.cmake").resolve()
+    src = (build.SOURCE_ROOT / "cmake" / "llama_gpu.cmake").resolve()
 
     def configure(libs: str, flavor: str = "exact") -> dict[str, list[str]]:
         script = tmp_path / f"probe-{flavor}-{bool(libs)}.cmake"
@@ -224,7 +224,7 @@ def test_the_gpu_cmake_file_hands_the_folder_to_findcudatoolkit(tmp_path):
             f'include("{src}")\n'
             'foreach(a IN LISTS _llama_args)\n  message(STATUS "ARG ${a}")\nendforeach()\n'
             'foreach(a IN LISTS _llama_cuda_cache)\n  message(STATUS "CACHE ${a}")\nendforeach()\n')
-        r = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True, cwd=build.REPO_ROOT)
+        r = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True, cwd=build.SOURCE_ROOT)
         assert r.returncode == 0, r.stdout + r.stderr
         out: dict[str, list[str]] = {"ARG": [], "CACHE": []}
         for line in (r.stdout + r.stderr).splitlines():

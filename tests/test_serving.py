@@ -117,10 +117,10 @@ def test_fingerprint_names_flavor_builds_and_model():
 def test_server_key_covers_the_server_build_and_library_keys_do_not(tmp_path, monkeypatch):
     import shutil
     for rel in ("CMakeLists.txt", "cmake", "cpu_kernels/patches", "rpc/patches", "server"):
-        src, dst = build.REPO_ROOT / rel, tmp_path / rel
+        src, dst = build.SOURCE_ROOT / rel, tmp_path / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copyfile)(src, dst)
-    monkeypatch.setattr(build, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(build, "SOURCE_ROOT", tmp_path)
     keys = (build.build_key("exact"), build.build_key("stock"), build.server_key())
     patch = next((tmp_path / "server" / "patches").glob("*.patch"))
     patch.write_text(patch.read_text() + "\n")

@@ -66,7 +66,7 @@ from dflash.serving import server
 from .conftest import run_dflash, run_json
 from .test_cpu_kernels import compile_harness
 
-ROOT = build.REPO_ROOT
+ROOT = build.SOURCE_ROOT
 WIDTHS = "1,2,4,8,9,64,512"
 NARROWER = "1,2,4,8,9,64"  # the harness runs every column alone for the reference: 64 costs an eighth of 512
 # (check, widths): the widest checks first; every type, op and attention shape at least to 64

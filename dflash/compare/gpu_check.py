@@ -53,13 +53,13 @@ from typing import Any
 
 from dflash.compare import cuda_bundle
 from dflash.core import cpu_isa, settings
-from dflash.core.paths import REPO_ROOT
+from dflash.core.paths import REPO_ROOT, SOURCE_ROOT
 from dflash.model import tiny_model
 from dflash.native import build, cuda_libs
 from dflash.proof.evidence import EvidenceWriter, verify
 
-HARNESS_SRC = REPO_ROOT / "cpu_kernels" / "tests" / "invariance.cpp"
-SELFTEST_SRC = REPO_ROOT / "hip_kernels" / "tests" / "cuda_selftest.cu"
+HARNESS_SRC = SOURCE_ROOT / "cpu_kernels" / "tests" / "invariance.cpp"
+SELFTEST_SRC = SOURCE_ROOT / "hip_kernels" / "tests" / "cuda_selftest.cu"
 FLAVORS = ("exact", "stock")
 NARROW_WIDTHS = tuple(range(1, settings.MMVQ_MAX + 1))  # the narrow path: ncols 1..8
 # the tiny model: widths 1, 2, 4, 8 and the widest the narrow ceiling allows (LUCE_MMVQ_MAX_NCOLS <= 8)
@@ -255,8 +255,8 @@ def check_selftest(run: Run) -> None:
     exe = run.work / "cuda_selftest"
     m = re.match(r"\d+[af]?", build.cuda_architectures().split(";")[0])
     arch = m[0] if m else "90"  # 90-real -> sm_90
-    b = _run([nvcc, "-std=c++17", "-O2", f"-arch=sm_{arch}", f"-I{REPO_ROOT / 'hip_kernels' / 'include'}",
-              f"-I{REPO_ROOT / 'hip_kernels' / 'tests'}", "-Xcompiler", "-ffp-contract=off", str(SELFTEST_SRC),
+    b = _run([nvcc, "-std=c++17", "-O2", f"-arch=sm_{arch}", f"-I{SOURCE_ROOT / 'hip_kernels' / 'include'}",
+              f"-I{SOURCE_ROOT / 'hip_kernels' / 'tests'}", "-Xcompiler", "-ffp-contract=off", str(SELFTEST_SRC),
               "-o", str(exe)], run.env, timeout=600)
     run.write("selftest-build.txt", b.stdout + b.stderr)
     if b.returncode != 0:

@@ -15,6 +15,21 @@ FLAVORS = ("exact", "stock")  # the llama.cpp libraries: batch-invariant, and ll
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the source checkout (an editable install): dflash/core/../..
 
+# What dflash builds llama.cpp from beside the pinned source: the CMake project, the patch sets, the
+# kernels. A checkout has them at its root; a wheel carries the same files at the same relative
+# paths under dflash/_source/ (setup.py), so both reach the same build keys.
+SOURCE_ENTRIES = ("CMakeLists.txt", "cmake", "cpu_kernels", "hip_kernels", "vulkan_kernels", "rpc", "server")
+PACKAGED_SOURCE = Path(__file__).resolve().parents[1] / "_source"
+
+
+def _source_root() -> Path:
+    if (REPO_ROOT / "CMakeLists.txt").is_file():
+        return REPO_ROOT
+    return PACKAGED_SOURCE  # an installed wheel (build.build_key names it when it is missing too)
+
+
+SOURCE_ROOT = _source_root()
+
 
 def cache_root() -> Path:
     """~/.cache/dflash, or $XDG_CACHE_HOME/dflash: built libraries, models, records."""

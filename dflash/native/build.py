@@ -33,10 +33,10 @@ from dflash.core import settings
 from dflash.core.cpu_isa import CPU_VARIANTS, NATIVE
 from dflash.core.errors import DflashError
 from dflash.core.fileio import fsync_dir, fsync_file
-from dflash.core.paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, REPO_ROOT, cache_root
+from dflash.core.paths import FLAVORS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION, SOURCE_ROOT, cache_root
 from dflash.native import cuda_libs
 
-__all__ = ["CPU_VARIANTS", "FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "REPO_ROOT",
+__all__ = ["CPU_VARIANTS", "FLAVORS", "HIP_ARCHS", "LLAMA_CPP_COMMIT", "LLAMA_CPP_PYTHON_VERSION", "SOURCE_ROOT",
            "build_hip_compile_only", "build_key", "build_library", "build_server", "cache_root", "hip_compile_key",
            "hip_headers", "install_dir", "is_built", "library_dir", "server_binary", "server_built", "server_env",
            "server_key", "source_dir"]
@@ -88,11 +88,11 @@ def build_key(flavor: str, gpu: str = "none", cpu: str = NATIVE) -> str:
         if gpu != "none":
             raise DflashError(f"--cpu {cpu} is a CPU-only build: GPU builds use the native CPU backend")
         h.update(f"cpu={cpu}|".encode())
-    if not (REPO_ROOT / "CMakeLists.txt").is_file():
-        raise DflashError(f"dflash builds llama.cpp from its source checkout, and {REPO_ROOT} is not one: "
-                          f"install with `pip install -e` from a clone, or set DFLASH_LLAMA_LIB_DIR")
+    if not (SOURCE_ROOT / "CMakeLists.txt").is_file():
+        raise DflashError(f"dflash builds llama.cpp from its CMake project and patch sets, and {SOURCE_ROOT} does "
+                          f"not hold them: install from a clone or a wheel, or set DFLASH_LLAMA_LIB_DIR")
     for rel in _KEY_INPUTS:
-        h.update(rel.encode() + b"\0" + (REPO_ROOT / rel).read_bytes())
+        h.update(rel.encode() + b"\0" + (SOURCE_ROOT / rel).read_bytes())
     if gpu == "vulkan":
         gpu_inputs: tuple[str, ...] = (*_GPU_KEY_INPUTS, *_VULKAN_KEY_INPUTS, *_VULKAN_FLAVOR_INPUTS.get(flavor, ()))
     else:
@@ -139,10 +139,10 @@ def _cuda_libs_key() -> str:
 def _hash_files(h: hashlib._Hash, rels: tuple[str, ...]) -> None:
     """Names and bytes of files and of every file under folders, relative to the checkout."""
     for rel in rels:
-        p = REPO_ROOT / rel
+        p = SOURCE_ROOT / rel
         for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
             if f.is_file():
-                h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes())
+                h.update(str(f.relative_to(SOURCE_ROOT)).encode() + b"\0" + f.read_bytes())
 
 
 def server_key() -> str:
@@ -296,7 +296,7 @@ def _build_native(flavor: str, gpu: str, src: Path, work: Path, jobs: int | None
     # private copy, never the shared tree
     src = Path(shutil.copytree(src, work / "llama.cpp", symlinks=True,
                                ignore=shutil.ignore_patterns(".git")))
-    configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"),
+    configure = ["cmake", "-S", str(SOURCE_ROOT), "-B", str(work / "b"),
                  f"-DDFLASH_LLAMA_SRC={src}", f"-DDFLASH_LLAMA_FLAVOR={flavor}",
                  f"-DDFLASH_LLAMA_PREFIX={staging}", f"-DDFLASH_GPU={gpu}",
                  "-DDFLASH_BUILD_KERNELS=OFF"]
@@ -336,7 +336,7 @@ def _build_variant_in(flavor: str, cpu: str, base: Path, work: Path, jobs: int |
     dest = install_dir(flavor, cpu=cpu)
     src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
                                ignore=shutil.ignore_patterns(".git")))
-    configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
+    configure = ["cmake", "-S", str(SOURCE_ROOT), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
                  f"-DDFLASH_LLAMA_FLAVOR={flavor}", f"-DDFLASH_LLAMA_PREFIX={work / 'install'}",
                  f"-DDFLASH_CPU_VARIANT={cpu}", "-DDFLASH_CPU_BACKEND_ONLY=ON", "-DDFLASH_GPU=none",
                  "-DDFLASH_BUILD_KERNELS=OFF"]
@@ -376,7 +376,7 @@ def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
             return server_binary()
         src = Path(shutil.copytree(source_dir(log), work / "llama.cpp", symlinks=True,
                                    ignore=shutil.ignore_patterns(".git")))
-        configure = ["cmake", "-S", str(REPO_ROOT / "server"), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
+        configure = ["cmake", "-S", str(SOURCE_ROOT / "server"), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
                      f"-DDFLASH_LLAMA_LIB={lib.parent}", f"-DDFLASH_SERVER_PREFIX={work / 'install'}"]
         log(f"building llama-server ({LLAMA_CPP_COMMIT}, against {lib.parent.name}) -> {dest} "
             f"(about 5 minutes on 2 cores, once)")
@@ -504,10 +504,10 @@ def _hip_kernels_inputs() -> tuple[str, ...]:
     compile-only build's first step), the patches it applies (patches/*.patch) and what it copies
     into ggml-cuda (every entry of ggml/, include/dflash_mmvq/*.h), picked as its globs pick them.
     Not the README, the tests or the code-object build: editing those rebuilds nothing."""
-    k = REPO_ROOT / "hip_kernels"
+    k = SOURCE_ROOT / "hip_kernels"
     groups = ([k / "apply_patch.cmake"], sorted((k / "patches").glob("*.patch")), sorted((k / "ggml").glob("*")),
               sorted((k / "include" / "dflash_mmvq").glob("*.h")))
-    return tuple(str(p.relative_to(REPO_ROOT)) for group in groups for p in group)
+    return tuple(str(p.relative_to(SOURCE_ROOT)) for group in groups for p in group)
 
 
 _DEVICE_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode", "/usr/lib/aarch64-linux-gnu/amdgcn/bitcode",
@@ -537,7 +537,7 @@ def _device_libs() -> Path:
 
 def hip_headers(log: Log = lambda s: None) -> Path:
     """HIP 6.2 headers from the pinned triton wheel (pip, once, into the user cache)."""
-    script = REPO_ROOT / "hip_kernels" / "tools" / "fetch_hip_headers.py"
+    script = SOURCE_ROOT / "hip_kernels" / "tools" / "fetch_hip_headers.py"
     cmd = [sys.executable, str(script), "--python", sys.executable, "--cache", str(cache_root())]
     r = subprocess.run(cmd, capture_output=True, text=True)
     include = Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
@@ -612,15 +612,15 @@ def build_hip_compile_only(archs: tuple[str, ...] = HIP_ARCHS, jobs: int | None 
         tree.mkdir()
         shutil.copy2(src / "CMakeLists.txt", tree / "CMakeLists.txt")
         shutil.copytree(src / "ggml", tree / "ggml", symlinks=True)
-        steps = [["cmake", f"-DSRC={tree}", f"-DPATCH_DIR={REPO_ROOT / 'hip_kernels'}",
-                  "-P", str(REPO_ROOT / "hip_kernels" / "apply_patch.cmake")]]
+        steps = [["cmake", f"-DSRC={tree}", f"-DPATCH_DIR={SOURCE_ROOT / 'hip_kernels'}",
+                  "-P", str(SOURCE_ROOT / "hip_kernels" / "apply_patch.cmake")]]
     else:
         steps = []
     steps.append(["cmake", f"-DHEADERS={include}", f"-DDEVICE_LIBS={device_libs}", f"-DLLVM_AS={tools['llvm-as-19']}",
                   f"-DARCHS={','.join(archs)}", f"-DOUT={work / 'hip-root'}",
-                  "-P", str(REPO_ROOT / "hip_kernels" / "cmake" / "hip_root.cmake")])
+                  "-P", str(SOURCE_ROOT / "hip_kernels" / "cmake" / "hip_root.cmake")])
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    steps.append(["cmake", "-S", str(REPO_ROOT / "hip_kernels" / "ggml_hip"), "-B", str(work / "b"), *gen,
+    steps.append(["cmake", "-S", str(SOURCE_ROOT / "hip_kernels" / "ggml_hip"), "-B", str(work / "b"), *gen,
                   f"-DCMAKE_CXX_COMPILER={tools['clang++-19']}", f"-DCMAKE_C_COMPILER={tools['clang-19']}",
                   f"-DDFLASH_GGML={tree / 'ggml'}", f"-DDFLASH_HIP_ROOT={work / 'hip-root'}",
                   f"-DGPU_TARGETS={';'.join(archs)}", "-DCMAKE_BUILD_TYPE=Release"])

@@ -14,6 +14,7 @@ Like dflash.Session it reads the environment only through `settings` and builds 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -127,6 +128,27 @@ def _prefill_width(t: ServeTarget) -> int:
     return q.width if q is not None and q.mode == FIXED else 1
 
 
+def qualify_command(t: ServeTarget, config: serve_config.ServeConfig) -> str:
+    """The `dflash qualify --serve` command whose record vouches for `config` on this target: the same
+    model (or tiny-model weights), flavor, device, options that enter the library key, and llama-server
+    options."""
+    parts = ["dflash qualify --serve", f"--parallel {config.parallel}", f"--ubatch {config.ubatch}"]
+    if t.given_model:
+        parts.append(f"--model {shlex.quote(t.given_model)}")
+    elif t.weights != tiny_model.DEFAULT_WEIGHTS:
+        parts.append(f"--weights {t.weights}")
+    if t.check.flavor != "exact":
+        parts.append(f"--lib {t.check.flavor}")
+    if t.check.device != "cpu":
+        parts.append(f"--device {shlex.quote(t.check.device)}")
+    options = records.graph_options(t.settings)
+    env = [o for o in options if "=" in o]
+    parts += [o for o in options if "=" not in o]
+    if t.check.extra:
+        parts.append("-- " + " ".join(shlex.quote(x) for x in t.check.extra))
+    return " ".join([*env, *parts])
+
+
 def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, ctx: int, threads: int,
                   allow_inexact: bool = False, note: Say = _quiet,
                   ) -> tuple[serve_config.ServeConfig, serve_record.Entry | None]:
@@ -153,8 +175,7 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
     config = replace(base, ctx=ctx, threads=threads)
     entry = serve_record.find(record, config)
     if entry is None and not allow_inexact:
-        cmd = (f"dflash qualify --serve --parallel {config.parallel} --ubatch {config.ubatch}"
-               + (f" --model {t.given_model}" if t.given_model else ""))
+        cmd = qualify_command(t, config)
         if config.parallel > 1:
             raise UsageError(f"{arg('parallel')} {config.parallel}: no serve record vouches for {config.parallel} "
                              f"slots at ubatch {config.ubatch} with this server build and model: run `{cmd}` first, "

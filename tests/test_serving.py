@@ -244,3 +244,22 @@ def test_checkpoint_spacing_is_the_lcm_of_the_compress_ratios():
     assert serve_config.checkpoint_every([4, 4]) == 4
     assert serve_config.checkpoint_every([6, 4, 0]) == 12
     assert serve_config.checkpoint_every([]) == serve_config.checkpoint_every([0, 0]) == 0
+
+
+def test_a_refusal_names_the_qualify_command_of_its_own_target():
+    """What `dflash serve` suggests when no serve record vouches for a configuration is the command
+    whose record would: model or weights, flavor, device, key-changing options, llama-server options."""
+    from dflash import serve as serve_lib
+    from dflash.core import settings
+    from dflash.serving.serve_check import Target
+
+    check = Target("llama-server", "/lib", "/m.gguf", "stock", "k", "s", "ab" * 32, device="vulkan:0",
+                   extra=("--top-k", "1"))
+    t = serve_lib.ServeTarget(check, settings.resolve({settings.ENV_TILE: "64", settings.ENV_SHORTCUT: "off"}),
+                              weights="q8_0")
+    cfg = serve_config.ServeConfig(4, 64, 1024, 2)
+    assert serve_lib.qualify_command(t, cfg) == (
+        "DFLASH_DS4_INDEXER_SHORTCUT=off dflash qualify --serve --parallel 4 --ubatch 64 --weights q8_0 --lib stock "
+        "--device vulkan:0 --indexer-tile 64 -- --top-k 1")
+    with_model = serve_lib.ServeTarget(check, settings.resolve({}), given_model="/my models/x.gguf")
+    assert "--model '/my models/x.gguf'" in serve_lib.qualify_command(with_model, cfg)

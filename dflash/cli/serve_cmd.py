@@ -82,7 +82,7 @@ def command(model: str | None, weights: str, host: str, port: int, parallel: int
     if entry is None:
         output.warn(f"no serve record vouches for --parallel {config.parallel} --ubatch {config.ubatch} on this "
                     f"build and model" + (" (running one slot)" if config.parallel == 1 else "")
-                    + ": run `dflash qualify --serve` to prove a configuration")
+                    + f": run `{serve_lib.qualify_command(target, config)}` to prove it")
     srv = target.server(config, host, port, api_key=api_key, log_line=_relay)
     url = f"http://{host}:{port}"
     info = {"url": url, "endpoint": f"{host}:{port}", "system_fingerprint": target.check.fingerprint,

@@ -19,7 +19,7 @@ Graph switches (GRAPH_SWITCHES, by `general.architecture` as llama.cpp spells it
   kind "position": the graph flips once the context reaches a position computed from the model's
                    metadata. `position(meta)` is a position at which it has surely flipped
                    (padding can flip it earlier); a prompt longer than that crosses it.
-A record never covers a prompt longer than its own (proofs: `positions`), so a switch that its
+A record never covers a prompt longer than its own (records: `positions`), so a switch that its
 prompt did not cross is never vouched for: the covered length stops short of it.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ ENV_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("GGML_VK_FA_SPARSE_DISABLE", f"{_VK}:8136", "Vulkan: flash attention without the sparse gather", "gpu"),
 )
 
-# dflash's flags the libraries read; the record's key covers them through Settings (proofs.library_key)
+# dflash's flags the libraries read; the record's key covers them through Settings (library_id.library_key)
 ENV_BY_SETTINGS = {
     "DFLASH_DS4_INDEXER_SHORTCUT": "cpu_kernels/patches/exact/0006-llama-ds4-indexer-all-pooled-shortcut.patch",
     "DFLASH_DS4_INDEXER_TILE": "cpu_kernels/patches/exact/0007-llama-ds4-indexer-tiles.patch",

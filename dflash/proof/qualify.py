@@ -34,7 +34,7 @@ else the planner. A fixed-width run must really decode a band of its width: the 
 before and after the resume point must be long enough (the default prompt is repeated until it
 has more than 2 * widest + 8 tokens).
 
-Length: the record's verdicts cover prompts of up to this prompt's length (proofs: `positions`);
+Length: the record's verdicts cover prompts of up to this prompt's length (records: `positions`);
 a longer prompt is not vouched for (--chunk auto falls back, records.for_prompt). The coverage lists
 the architecture's graph switches that flip at a position (dflash/native/graph_switches.py) among the
 crossings: the compress ratios and the sliding window must be crossed; the others need not, and a

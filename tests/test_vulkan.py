@@ -38,7 +38,7 @@ rows do not) must give q1's logits at every position and q1's response; with DFL
 bands of 9, with plant-fusion q1, and with plant-fa the band of 9 over 270, must not.
 `dflash diff` on Vulkan must call the planted fusion a difference although every tapped node
 agrees. Every preset at 2, 4, 8, 9, 64 over 80 tokens, Gemma 3 270M and `dflash qualify` are the
-by-hand run (benchmarks/vulkan_models.py; README, Vulkan): lavapipe compiles each pipeline on first
+by-hand run (benchmarks/vulkan_models.py; docs/guides/vulkan.md): lavapipe compiles each pipeline on first
 use, and that compile (a cold Mesa shader cache on a fresh machine) is most of these tests' time.
 
 Cost: the op-level checks reference every column alone, so width 512 costs 8 times width 64: a
@@ -84,7 +84,7 @@ CHECKS = [(["--type", "q4_0"], WIDTHS), (["--type", "mxfp4"], WIDTHS),
           # every width over K + a tail of zero activations equals width 1 over K (attention's cache view)
           (["--type", "f16", "--k", "1000", "--zero-tail", "200"], NARROWER),
           (["--type", "f32", "--zero-tail", "256"], NARROWER)]
-# width 1 against a double-precision product, exact and stock side by side (README, Vulkan)
+# width 1 against a double-precision product, exact and stock side by side (docs/guides/vulkan.md)
 PRECISION_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_K", "q6_K", "mxfp4")
 # lavapipe is listed by ggml only when named (it skips CPU drivers otherwise): vulkan:0 here
 ENV = {**os.environ, "GGML_VK_VISIBLE_DEVICES": "0"}
@@ -153,7 +153,7 @@ def test_width_one_is_as_accurate_as_stock_width_one(harness):
     """Each product's width 1 against a double-precision product (K 1024, the harness's seed): the
     exact flavor's f32 mul_mm (16-element partials, compensated fold: patch 0011) must be no further
     from it than stock's f32 mat-vec (per-thread partial sums and a tree), type by type; both are
-    deterministic on one driver. README, Vulkan, has the figures (about 8e-8..1.1e-7 against
+    deterministic on one driver. docs/guides/vulkan.md has the figures (about 8e-8..1.1e-7 against
     9e-8..2.8e-7). Patch 0010's plain fold of 32-element partials fails it (Q4_0 1.6e-7 against
     9.1e-8, Q6_K 2.4e-7 against 9.5e-8), one chain over K (~1.5e-6) and f16 accumulation (~1.5e-2)
     fail the absolute bound too."""
@@ -455,7 +455,7 @@ def test_a_cpu_and_vulkan_split_is_bit_identical_to_q1(lavapipe, tiny_models, ge
     DeepSeek-V4's hyper-connection ops, falls back to the CPU), and the exact flavor turns
     llama.cpp's op offload off (Engine.op_offload: with it on, bands of 9 already differed).
     Gemma 3 270M: bands of 4, 9 and 64 over 72 tokens equal q1. Tiny DeepSeek-V4: 4, 9 and 16
-    (from 32 on it differs: README, Not done yet). Twin: llama.cpp's own Vulkan routing on the same
+    (from 32 on it differs: docs/guides/vulkan.md). Twin: llama.cpp's own Vulkan routing on the same
     split differs at 9."""
     assert not differing_widths(prefill_widths(gemma, "1,4,9,64", 72, device="cpu,vulkan:0"))
     assert not differing_widths(prefill_widths(tiny_models["mxfp4"], "1,4,9,16", 40, device="cpu,vulkan:0"))
@@ -524,7 +524,7 @@ SERVE_PROMPT = ("Exact serving on a GPU: every response equals the same request 
 @pytest.mark.long
 def test_serving_on_vulkan_is_identical_to_solo_cold_runs_and_q1(lavapipe):
     """`dflash qualify --serve --device vulkan:0` on the tiny DeepSeek-V4 model: llama-server on the
-    exact Vulkan build, every layer on lavapipe, one and two slots with prompts in ubatches of 16
+    exact Vulkan build, every layer on lavapipe, one and four slots with prompts in ubatches of 16
     (the s tile), every response identical to its solo cold run and to dflash prefill (q1) on the
     same device. (Before dflash turned context checkpoints off here, this check caught the repeat
     of a 73-token prompt, restored from a checkpoint at 69, differing from its cold run.) The twin

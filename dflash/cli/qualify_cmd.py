@@ -77,7 +77,7 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
     CPU buffer types offered, AMX among them or not, and the kernel switches set in the
     environment), in the user cache, merged with the widths it already held; a copy of this run's
     verdicts goes into the evidence directory. The verdicts cover prompts of up to this prompt's
-    length: --chunk auto on a longer one falls back (see README, Commands).
+    length: --chunk auto on a longer one falls back (docs/concepts/qualification.md).
     Without --prompt/--prompt-file the built-in prompt is repeated until it has more than
     2 * widest + 8 tokens, so that a band of the widest width is really decoded.
 

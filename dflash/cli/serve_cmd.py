@@ -36,8 +36,8 @@ DEFAULT_CTX = 4096
 @click.option("--threads", type=click.IntRange(1, 512), default=None, help="CPU threads [default: min(cores, 8)].")
 @lib_option
 @click.option("--device", default="cpu", show_default=True,
-              help="cpu, or vulkan:N: every layer on that Vulkan device (exact library: flash attention and op "
-                   "offload off, as dflash prefill runs it). HIP, CUDA and RPC serving are not wired up yet.")
+              help="cpu, or vulkan:N: every layer on that Vulkan device (exact library: flash attention on "
+                   "and op offload off, as dflash prefill runs it). HIP, CUDA and RPC serving are not wired up yet.")
 @click.option("--api-key", default=None, help="Require this key (Authorization: Bearer KEY) on every request.")
 @click.option("--allow-remote", is_flag=True, help="Listen on a non-loopback --host (also needs --api-key).")
 @click.option("--allow-inexact", is_flag=True,

@@ -23,7 +23,7 @@ import pytest
 
 from dflash.native import build
 
-from .conftest import host_flags
+from .conftest import cpu_variant_params, host_flags
 
 try:  # lands with the CPU variants
     from dflash.core import cpu_isa
@@ -40,8 +40,9 @@ VARIANTS = tuple(getattr(build, "CPU_VARIANTS", (NATIVE,)))
 # default shape)
 _cross = os.environ.get("DFLASH_TEST_CROSS_VARIANTS", "all")
 CROSS = VARIANTS if _cross == "all" else tuple(v.strip() for v in _cross.split(",") if v.strip())
-EVERY_VARIANT = pytest.mark.parametrize("harness", VARIANTS, indirect=True, scope="module")
-CROSS_VARIANTS = pytest.mark.parametrize("harness", [v for v in VARIANTS if v in CROSS], indirect=True, scope="module")
+EVERY_VARIANT = pytest.mark.parametrize("harness", cpu_variant_params(VARIANTS), indirect=True, scope="module")
+CROSS_VARIANTS = pytest.mark.parametrize("harness", cpu_variant_params([v for v in VARIANTS if v in CROSS]),
+                                        indirect=True, scope="module")
 
 # the types the CPU backend must run on this pin: the harness enumerates them from the library
 # (--list-types), and a listing without one of these is broken

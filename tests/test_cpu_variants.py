@@ -21,7 +21,7 @@ from dflash.core.settings import resolve
 from dflash.model import tiny_model
 from dflash.native import build
 
-from .conftest import ROOT, run_dflash
+from .conftest import ROOT, cpu_variant_params, run_dflash
 
 VARIANTS = build.CPU_VARIANTS
 WIDTHS = "1,4,64,512"
@@ -30,7 +30,7 @@ WIDTHS = "1,4,64,512"
 def need(flavor: str, cpu: str) -> None:
     if not build.is_built(flavor, cpu=cpu):
         pytest.fail(f"the {flavor} library's {cpu} variant is not built: run `dflash build --cpu {cpu}` "
-                    f"(scripts/setup builds every variant)")
+                    f"(scripts/setup --all --all-variants builds every variant)")
 
 
 def runnable(cpu: str) -> None:
@@ -72,7 +72,7 @@ def test_variant_expectations_can_fail():
     assert r.problems("native") == []
 
 
-@pytest.mark.parametrize("cpu", [v for v in VARIANTS if v != "native"])
+@pytest.mark.parametrize("cpu", cpu_variant_params([v for v in VARIANTS if v != "native"]))
 @pytest.mark.parametrize("flavor", build.FLAVORS)
 def test_variant_holds_only_its_instruction_sets(flavor, cpu):
     need(flavor, cpu)
@@ -112,7 +112,7 @@ def test_cpu_flag_and_option():
     assert r.returncode == 2 and "--cpu" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("cpu", VARIANTS)
+@pytest.mark.parametrize("cpu", cpu_variant_params(VARIANTS))
 def test_a_variant_loads_its_own_cpu_backend(cpu):
     """The process maps the variant's libggml-cpu, not the native one (/proc/self/maps); on a CPU
     that lacks the variant's instructions, loading it is refused in one line naming them."""
@@ -160,7 +160,7 @@ def differing(fp: dict, model) -> list[int]:
 ISA_CLASSES = [v for v in VARIANTS if v != "native"]
 
 
-@pytest.mark.parametrize("cpu", ISA_CLASSES)
+@pytest.mark.parametrize("cpu", cpu_variant_params(ISA_CLASSES))
 def test_q1_and_bands_agree_on_every_preset(tiny_models, cpu):
     """The tiny DeepSeek-V4 model, every weight preset, fixed-width bands of 4, 64 and 512 against
     q1 on the exact library of this variant (every position's logits and the response); the same
@@ -174,7 +174,7 @@ def test_q1_and_bands_agree_on_every_preset(tiny_models, cpu):
     assert len(caught) >= len(tiny_model.WEIGHTS) - 1, (cpu, caught)
 
 
-@pytest.mark.parametrize("cpu", ISA_CLASSES)
+@pytest.mark.parametrize("cpu", cpu_variant_params(ISA_CLASSES))
 def test_q1_and_bands_agree_on_a_real_gguf(gemma, cpu):
     exact = prefill_all(cpu, "exact", [gemma])
     assert differing(exact, gemma) == [], cpu

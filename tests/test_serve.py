@@ -315,7 +315,7 @@ def test_more_requests_than_slots_are_queued_and_exact(serving):
 
 def test_a_client_that_disconnects_mid_stream_leaves_the_others_exact(serving):
     body = completion(wl.words(40, 9), 60)
-    conn, path = server._connection(serving.url + "/v1/completions", 30)
+    conn, path = client._connection(serving.url + "/v1/completions", 30)
     conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()

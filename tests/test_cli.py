@@ -127,7 +127,7 @@ def test_model_without_vocabulary(tmp_path):
 
 def test_help_names_every_environment_flag_and_the_flags_they_stand_for():
     from dflash.core import settings
-    assert set(settings.ENV_DOCS) == {*settings.ENV_FLAGS, settings.ENV_DEBUG, settings.ENV_CCACHE}
+    assert set(settings.ENV_DOCS) == {*settings.ENV_FLAGS, settings.ENV_DEBUG, settings.ENV_CCACHE, settings.ENV_STALL}
     top = run_dflash("--help", check=True).stdout
     for name in settings.ENV_DOCS:
         assert f"  {name} " in top, name

@@ -48,6 +48,7 @@ ENV_VERBOSE = "DFLASH_LLAMA_VERBOSE"
 ENV_DEBUG = "DFLASH_DEBUG"
 ENV_CCACHE = "DFLASH_CCACHE"  # read by dflash.native.build: 0 compiles llama.cpp without ccache
 ENV_CPU = "DFLASH_CPU_VARIANT"
+ENV_STALL = "DFLASH_STALL_TIMEOUT"  # read by dflash.run.supervisor (the CLI's parent process)
 ENV_FLAGS = (ENV_BANDS, ENV_MMVQ, ENV_NARROW, ENV_SHORTCUT, ENV_TILE, ENV_WINDOW, ENV_LIB_DIR, ENV_VERBOSE, ENV_CPU)
 # One line each, for `dflash --help` (the module doc above says more)
 ENV_DOCS = {
@@ -62,6 +63,7 @@ ENV_DOCS = {
     ENV_VERBOSE: "1: pass llama.cpp's log through to stderr",
     ENV_DEBUG: "1: tracebacks instead of one-line errors (--debug)",
     ENV_CCACHE: "0: compile llama.cpp without ccache",
+    ENV_STALL: "S: stop a command whose llama.cpp stage has made no progress for S seconds (off by default)",
 }
 SHORTCUT_MODES = ("on", "off", "force")  # DFLASH_DS4_INDEXER_SHORTCUT: a boolean, or force
 WINDOW_MODES = ("on", "off", "plant")    # DFLASH_DS4_RAW_WINDOW: a boolean, or plant

@@ -35,12 +35,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash.core.settings import ENV_STALL
 from dflash.core.stage import DONE_AT, ENV_WORKER, SCRATCH_AT, STAGE_AT, STATE_SIZE
 
 if TYPE_CHECKING:
     from types import FrameType
 
-ENV_STALL = "DFLASH_STALL_TIMEOUT"    # seconds without a stage change before a worker is stopped
 GRACE_SECONDS = 10.0                  # how long an interrupted worker may take to clean up
 
 _SOURCE_PREFIX = re.compile(r"^\S+\.(?:c|cc|cpp|cu|h):\d+: ")  # GGML_ABORT's "file:line: " before its text

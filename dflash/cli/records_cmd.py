@@ -14,16 +14,11 @@ from rich.table import Table
 
 from dflash.cli import output
 from dflash.cli.options import Command
-from dflash.core import paths
 from dflash.core.errors import UsageError
 from dflash.proof import records
 from dflash.serving import serve_record
 
 _KEY = re.compile(r"(serve-)?[0-9a-f]{4,24}")
-
-
-def folder() -> Path:
-    return paths.cache_root() / "qualifications"
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class Entry:
 
 
 def read_all() -> list[Entry]:
-    d = folder()
+    d = records.records_dir()
     found = []
     for p in sorted(d.glob("*.json")) if d.is_dir() else []:
         kind = "serve" if p.name.startswith("serve-") else "qualification"
@@ -73,7 +68,7 @@ def pick(key: str, entries: list[Entry]) -> Entry:
     hits = [e for e in entries if e.key.startswith(key) or e.key.startswith("serve-" + key)]
     if len(hits) != 1:
         what = "no record" if not hits else f"{len(hits)} records ({', '.join(e.key for e in hits)})"
-        raise UsageError(f"{what} under {folder()} match {key!r} (`dflash records list` names them)")
+        raise UsageError(f"{what} under {records.records_dir()} match {key!r} (`dflash records list` names them)")
     return hits[0]
 
 
@@ -93,10 +88,10 @@ def list_cmd(as_json: bool) -> None:
     """One line per record: kind, key, device, the widths (or server slots) proven exact, the model."""
     entries = [e.summary() for e in read_all()]
     if as_json:
-        output.emit_json({"folder": str(folder()), "records": entries})
+        output.emit_json({"folder": str(records.records_dir()), "records": entries})
         return
     if not entries:
-        output.out.print(f"no records under {escape(str(folder()))}", highlight=False)
+        output.out.print(f"no records under {escape(str(records.records_dir()))}", highlight=False)
         return
     t = Table("kind", "key", "device", "proven exact", "model", "updated")
     for e in entries:
@@ -144,7 +139,7 @@ def remove_cmd(keys: tuple[str, ...], remove_all: bool, as_json: bool) -> None:
     for p in removed:
         output.out.print(f"removed {escape(p)}", highlight=False)
     if not removed:
-        output.out.print(f"no records under {escape(str(folder()))}", highlight=False)
+        output.out.print(f"no records under {escape(str(records.records_dir()))}", highlight=False)
 
 
 commands = [group]

@@ -348,8 +348,13 @@ def write(path: str | os.PathLike[str], record: Record) -> Path:
         raise DflashError(f"cannot write qualification record {path}: {e.strerror}") from None
 
 
+def records_dir() -> Path:
+    """Where qualification records (<key>.json) and serve records (serve-<key>.json) live."""
+    return paths.cache_root() / "qualifications"
+
+
 def record_path(identity: Identity) -> Path:
-    return paths.cache_root() / "qualifications" / f"{identity.key}.json"
+    return records_dir() / f"{identity.key}.json"
 
 
 def load(identity: Identity, warn: Warn) -> Record | None:

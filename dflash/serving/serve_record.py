@@ -25,7 +25,7 @@ from dflash.core import paths
 from dflash.core.errors import DflashError
 from dflash.core.fileio import write_atomic
 from dflash.core.results import Json
-from dflash.proof.records import TIME_FORMAT, RecordError, now_utc
+from dflash.proof.records import TIME_FORMAT, RecordError, now_utc, records_dir
 from dflash.serving.serve_config import ServeConfig
 
 SCHEMA, SCHEMA_VERSION = "dflash.serve-qualification", 1
@@ -138,7 +138,7 @@ def parse(raw: bytes) -> Record:
 
 
 def record_path(identity: Identity) -> Path:
-    return paths.cache_root() / "qualifications" / f"serve-{identity.key}.json"
+    return records_dir() / f"serve-{identity.key}.json"
 
 
 def load(identity: Identity) -> Record | None:

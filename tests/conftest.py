@@ -17,13 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The CPU build variants CI's job (`.ci/run`) runs: the native build, and AVX2, the instruction-set
 # class least like it. The AVX-512 variants' runs carry the `long` mark: `.ci/run-long` builds them
-# (scripts/setup --all-variants) and runs them.
+# (scripts/setup --all --long) and runs them.
 CI_CPU_VARIANTS = ("native", "avx2")
 
 
-def cpu_variant_params(variants):
-    """pytest parameters for CPU variants, those outside CI_CPU_VARIANTS marked `long`."""
-    return [v if v in CI_CPU_VARIANTS else pytest.param(v, marks=pytest.mark.long) for v in variants]
+def cpu_variant_params(variants, ci=CI_CPU_VARIANTS):
+    """pytest parameters for CPU variants, those outside `ci` (CI's variants: CI_CPU_VARIANTS, or
+    fewer for the costliest checks) marked `long`."""
+    return [v if v in ci else pytest.param(v, marks=pytest.mark.long) for v in variants]
 
 
 def _isolate_qualification_records() -> None:

@@ -43,6 +43,9 @@ CROSS = VARIANTS if _cross == "all" else tuple(v.strip() for v in _cross.split("
 EVERY_VARIANT = pytest.mark.parametrize("harness", cpu_variant_params(VARIANTS), indirect=True, scope="module")
 CROSS_VARIANTS = pytest.mark.parametrize("harness", cpu_variant_params([v for v in VARIANTS if v in CROSS]),
                                         indirect=True, scope="module")
+# the widest checks (to 4,096): CI's job runs them on the native build, the long job on every variant
+WIDE_VARIANTS = pytest.mark.parametrize("harness", cpu_variant_params([v for v in VARIANTS if v in CROSS],
+                                                                      ci=(NATIVE,)), indirect=True, scope="module")
 
 # the types the CPU backend must run on this pin: the harness enumerates them from the library
 # (--list-types), and a listing without one of these is broken
@@ -558,7 +561,7 @@ def test_flash_attention_over_long_caches_and_their_views(harness):
 WIDE = "1,2,513,1024,1500,2048,4096"  # --chunk up to 4096 (dflash.core.settings.MAX_CHUNK)
 
 
-@CROSS_VARIANTS
+@WIDE_VARIANTS
 def test_widths_beyond_512_are_invariant(harness):
     """The widths --chunk takes past 512, up to 4,096 tokens per ubatch: products of the tinyBLAS,
     plain, repacked and tiled K-quant families (MUL_MAT and MUL_MAT_ID) and flash attention over

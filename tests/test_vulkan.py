@@ -42,7 +42,13 @@ by-hand run (benchmarks/vulkan_models.py; docs/guides/vulkan.md): lavapipe compi
 use, and that compile (a cold Mesa shader cache on a fresh machine) is most of these tests' time.
 
 Cost: the op-level checks reference every column alone, so width 512 costs 8 times width 64: a
-few checks run to 512, the rest to 64 (about 4 minutes with a cold shader cache).
+few checks run to 512, the rest to 64 (about 4 minutes with a cold shader cache). On a fresh
+machine most of this file's time is lavapipe's first compile of each pipeline, and each forced
+geometry or routing mode is pipelines of its own: CI's job runs the device's and a GPU's narrow
+geometry and llama.cpp's routing at model level; flash attention's forced splits and rows, 64
+chunks a row, llama.cpp's routing at op level (the library's planted routing and the harness's
+plant stay), the CPU+Vulkan split and stock Vulkan carry the `long` mark (.ci/run-long;
+docs/development/ci.md has the times).
 
 Stock Vulkan runs too: llama.cpp's own build (its defaults: flash attention with split-K) on the
 tiny DeepSeek-V4 model at q1 and bands of 4, 9 and 64, which crashed lavapipe before common patch
@@ -184,6 +190,7 @@ def test_the_planted_bug_is_caught(harness):
         assert differing(s) == s["widths_asked"][1:], (s["args"], differing(s))
 
 
+@pytest.mark.long
 def test_llama_cpps_own_routing_is_caught(harness):
     """The stock twin: DFLASH_VK_EXACT=0 gives the same build llama.cpp's routing back (mat-vec up to
     8 columns, mul_mm beyond; flash attention tuned per batch), which changes a column's bits with
@@ -215,7 +222,12 @@ def test_the_librarys_planted_routing_is_caught(harness):
     assert differing(s) == [2, 4, 8], differing(s)
 
 
-def test_every_pass_geometry_of_the_narrow_path_is_bit_identical(harness):
+# "": the device's own geometry (1 chunk per row on lavapipe); 16, a GPU's; 64, more than any
+GEOMETRIES = ["", "16", pytest.param("64", marks=pytest.mark.long)]
+
+
+@pytest.mark.parametrize("chunks", GEOMETRIES)
+def test_every_pass_geometry_of_the_narrow_path_is_bit_identical(harness, chunks):
     """Widths 1..8 run mul_mm's K-parallel mode (patch 0006): one (row, 32-chunk) per invocation,
     its two 16-element partials folded into the row's total in order (patch 0011). How many chunks
     of a row run side by side (1 on lavapipe, each invocation walking 4 or 8 rows (patch 0010); 16
@@ -226,11 +238,13 @@ def test_every_pass_geometry_of_the_narrow_path_is_bit_identical(harness):
               ["--type", "f32", "--k", "1016"],
               ["--type", "f16", "--src1", "broadcast"], ["--type", "q4_0", "--groups", "4"],
               ["--type", "q4_K", "--src1", "strided"], ["--type", "q5_0", "--m", "100"]]
-    for chunks in ("", "16", "64"):  # "": the device's own geometry
-        env = {"DFLASH_VK_KPAR_CHUNKS": chunks} if chunks else None
-        got = run(harness, checks, env=env, widths=["1,2,3,8,9,33"] * len(checks))
-        bad = [(s["args"], differing(s)) for s in got if not s["ok"] or differing(s)]
-        assert not bad, (chunks, bad)
+    env = {"DFLASH_VK_KPAR_CHUNKS": chunks} if chunks else None
+    got = run(harness, checks, env=env, widths=["1,2,3,8,9,33"] * len(checks))
+    bad = [(s["args"], differing(s)) for s in got if not s["ok"] or differing(s)]
+    assert not bad, (chunks, bad)
+
+
+def test_a_pass_geometry_that_is_not_a_power_of_two_is_refused(harness):
     r = subprocess.run([harness, "--backend", "Vulkan0", "--type", "f16", "--widths", "1,2"], capture_output=True,
                        text=True, timeout=300, env={**ENV, "DFLASH_VK_KPAR_CHUNKS": "3"})
     assert r.returncode != 0 and "DFLASH_VK_KPAR_CHUNKS=3" in r.stderr
@@ -281,6 +295,7 @@ def test_one_contractible_operation_is_found():
         spirv.float_ops(module[4:], "shifted")
 
 
+@pytest.mark.long
 def test_flash_attention_splits_are_fixed_from_cell_zero(harness):
     """Patch 0012: a row's cells are summed in splits of 256 cells from cell 0 at every width and
     cache size, merged by the split-K reduce in split order, and a row whose cells fit one split
@@ -406,6 +421,7 @@ def test_flash_attention_splits_are_bit_identical_to_q1_at_model_level(lavapipe,
     assert differing_widths(planted) == [9]
 
 
+@pytest.mark.long
 def test_the_tiny_deepseek_v4_model_runs_on_stock_vulkan(lavapipe, tiny_models):
     """Stock llama.cpp's Vulkan build on the tiny DeepSeek-V4 model, with llama.cpp's defaults
     (flash attention on, split-K): q1 and bands of 4, 9 and 64 over 96 tokens all finish, each a
@@ -449,6 +465,7 @@ def test_llama_cpps_own_routing_differs_at_model_level(lavapipe, tiny_models):
     assert differing_widths(runs) == [9]
 
 
+@pytest.mark.long
 def test_a_cpu_and_vulkan_split_is_bit_identical_to_q1(lavapipe, tiny_models, gemma):
     """--device cpu,vulkan:0, the mixed case of a model too big for one GPU: the CPU keeps the
     first half of the layers (the exact CPU kernels), lavapipe the rest (what lavapipe cannot run,

@@ -286,7 +286,7 @@ def build_library(flavor: str, gpu: str = "none", jobs: int | None = None,
         return _build_native(flavor, gpu, src, work, jobs, log)
 
 
-_BUILD_TIME = {"none": "about 2 minutes on 2 cores", "vulkan": "about 4 minutes on 2 cores"}
+_BUILD_TIME = {"none": "about 2 minutes on 2 cores", "vulkan": "about 3 minutes on 2 cores"}
 
 
 def _build_native(flavor: str, gpu: str, src: Path, work: Path, jobs: int | None, log: Log) -> Path:
@@ -379,7 +379,7 @@ def build_server(jobs: int | None = None, log: Log = lambda s: None) -> Path:
         configure = ["cmake", "-S", str(SOURCE_ROOT / "server"), "-B", str(work / "b"), f"-DDFLASH_LLAMA_SRC={src}",
                      f"-DDFLASH_LLAMA_LIB={lib.parent}", f"-DDFLASH_SERVER_PREFIX={work / 'install'}"]
         log(f"building llama-server ({LLAMA_CPP_COMMIT}, against {lib.parent.name}) -> {dest} "
-            f"(about 5 minutes on 2 cores, once)")
+            f"(about 7 minutes on 2 cores, once)")
         _cmake_install(work, configure, "bin/llama-server", dest, "llama-server", jobs, log, dict(os.environ),
                        lambda text: "")
     return server_binary()

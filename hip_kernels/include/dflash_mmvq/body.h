@@ -86,7 +86,14 @@ DF_DEV void reduce_store(const float (&acc)[NC], float* y, int64_t y_col) {
     for (int c = 0; c < NC; ++c) {
         float v = acc[c];
         for (int w = 1; w < kWarps; ++w) {
-            v = fadd(v, red[w - 1][c][lane]);
+#if defined(DFLASH_MMVQ_PLANTED_ORDER)
+            // a deliberately wrong variant the tests must reject: NC > 1 adds the warps last to
+            // first, an order that depends on ncols (dflash_mmvq_<arch>_planted_order.hsaco)
+            const int from = NC > 1 ? kWarps - w : w;
+#else
+            const int from = w;
+#endif
+            v = fadd(v, red[from - 1][c][lane]);
         }
         for (int m = kWarp / 2; m > 0; m >>= 1) {
             v = fadd(v, shfl_xor32(v, m));

@@ -59,8 +59,7 @@ def assemble(arch: str, lines: list[str]) -> bytes:
 
 
 def run(arch: str, lines: list[str], vgprs: dict[int, np.ndarray] | None = None, sgprs: dict[int, int] | None = None,
-        exec_mask: int = M32, scc: int = 0, mem: Memory | None = None, lds: bytes | None = None,
-        sem: object = semantics) -> machine.Wave:
+        exec_mask: int = M32, scc: int = 0, mem: Memory | None = None, lds: bytes | None = None) -> machine.Wave:
     """`lines` then s_endpgm on one wave of `arch`."""
     code = assemble(arch, [*lines, "s_endpgm"])
     prog = machine.program(code, 0, ISA[arch])
@@ -202,6 +201,7 @@ VALU = {
     "V_OR_B32": ("v_or_b32 v10, v1, v2", [U, U], lambda a, b, c, n: a | b),
     "V_XOR_B32": ("v_xor_b32 v10, v1, v2", [U, U], lambda a, b, c, n: a ^ b),
     "V_ADD_NC_U32": ("v_add_nc_u32 v10, v1, v2", [U, U], lambda a, b, c, n: (a + b) & M32),
+    "V_SUB_NC_U32": ("v_sub_nc_u32 v10, v1, v2", [U, U], lambda a, b, c, n: (a - b) & M32),
     "V_LSHLREV_B32": ("v_lshlrev_b32 v10, v1, v2", [U, U], lambda a, b, c, n: (b << (a & 31)) & M32),
     "V_LSHRREV_B32": ("v_lshrrev_b32 v10, v1, v2", [U, U], lambda a, b, c, n: b >> (a & 31)),
     "V_MUL_U32_U24": ("v_mul_u32_u24 v10, v1, v2", [U, U], lambda a, b, c, n: ((a & 0xFFFFFF) * (b & 0xFFFFFF)) & M32),
@@ -245,14 +245,14 @@ def _rcp(a: int) -> int:
     return f32_round(1 / x)
 
 
-def valu_mismatches(arch: str, name: str, sem: object = semantics, rounds: int = 4) -> list[str]:
+def valu_mismatches(arch: str, name: str, rounds: int = 4) -> list[str]:
     asm, edges, ref = VALU[name]
     if name == "V_RCP_IFLAG_F32":
         ref = lambda a, b, c, n: _rcp(a)  # noqa: E731
     bad = []
     for rnd in range(rounds):
         srcs = [lanes(e, rnd * (k + 3), seed=rnd * 10 + k) for k, e in enumerate(edges)]
-        w = run(arch, [asm], {k + 1: s for k, s in enumerate(srcs)}, sem=sem)
+        w = run(arch, [asm], {k + 1: s for k, s in enumerate(srcs)})
         for lane in range(WAVE):
             args = [int(s[lane]) & M32 for s in srcs] + [0] * (3 - len(srcs))
             want = ref(*args, lane) & M32
@@ -292,14 +292,14 @@ def _dot4_ref(a: int, b: int, c: int, signed_a: bool, signed_b: bool, clamp: boo
     return t & M32
 
 
-def dot4_mismatches(arch: str, sem: object = semantics) -> list[str]:
+def dot4_mismatches(arch: str) -> list[str]:
     bad = []
     bytes_edges = [0, 0x7F7F7F7F, 0x80808080, 0xFFFFFFFF, 0x01FF807F, 0x12345678, 0xFEDCBA98, 0x00000080]
     acc_edges = [0, 1, M32, 0x7FFFFFFF, 0x80000000, 0x7FFF0000, 0x80010000]
     for sa, sb, clamp in [(x, y, z) for x in (0, 1) for y in (0, 1) for z in (0, 1)]:
         a, b, c = lanes(bytes_edges, sa, 1), lanes(bytes_edges, 3 + sb, 2), lanes(acc_edges, clamp, 3)
         asm = f"v_dot4_i32_iu8 v10, v1, v2, v3 neg_lo:[{sa},{sb},0]" + (" clamp" if clamp else "")
-        w = run(arch, [asm], {1: a, 2: b, 3: c}, sem=sem)
+        w = run(arch, [asm], {1: a, 2: b, 3: c})
         for lane in range(WAVE):
             want = _dot4_ref(int(a[lane]), int(b[lane]), int(c[lane]), bool(sa), bool(sb), bool(clamp))
             if int(w.v[10][lane]) != want:
@@ -343,9 +343,17 @@ def test_exec_masks_every_vector_write(arch):
 
 # ---------------------------------------------------------------- compares, carries, lane moves
 
-CMPS = {"eq_u32": lambda a, b: a == b, "gt_u32": lambda a, b: a > b, "lt_u32": lambda a, b: a < b,
-        "le_i32": lambda a, b: i32(a) <= i32(b), "gt_i32": lambda a, b: i32(a) > i32(b),
-        "ne_u32": lambda a, b: a != b}
+def _cmps() -> dict:
+    preds = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "gt": lambda a, b: a > b,
+             "lt": lambda a, b: a < b, "ge": lambda a, b: a >= b, "le": lambda a, b: a <= b}
+    s16 = lambda x: (x & 0xFFFF) - 0x10000 if x & 0x8000 else x & 0xFFFF  # noqa: E731
+    conv = {"u32": lambda x: x, "i32": i32, "u16": lambda x: x & 0xFFFF, "i16": s16}
+    def pred(f, c):
+        return lambda a, b: f(c(a), c(b))
+    return {f"{p}_{t}": pred(f, conv[t]) for p, f in preds.items() for t in conv}
+
+
+CMPS = _cmps()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -416,6 +424,31 @@ def test_readfirstlane_and_bpermute(arch):
     assert w.s[20] == 100  # no lane active: lane 0
 
 
+DUAL_REF = {"mov_b32": lambda a, b, v: a, "add_nc_u32": lambda a, b, v: (a + b) & M32,
+            "and_b32": lambda a, b, v: a & b, "lshlrev_b32": lambda a, b, v: (b << (a & 31)) & M32,
+            "add_f32": lambda a, b, v: f32_op(a, b, "add"), "sub_f32": lambda a, b, v: f32_op(a, b, "sub"),
+            "mul_f32": lambda a, b, v: f32_op(a, b, "mul"), "cndmask_b32": lambda a, b, v: b if v else a}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_dual_issue_operation(arch):
+    a, b, c, d = lanes(F, 0, 20), lanes(F, 4, 21), lanes(U, 2, 22), lanes(U, 9, 23)
+    vcc = 0x3C3C5AA5
+    # the X slot takes fewer operations than Y: every operation once in the slot it is in
+    pairs = [("mov_b32", "add_nc_u32"), ("add_f32", "and_b32"), ("sub_f32", "lshlrev_b32"), ("mul_f32", "mov_b32"),
+             ("cndmask_b32", "mul_f32"), ("mov_b32", "add_f32"), ("add_f32", "sub_f32"), ("sub_f32", "cndmask_b32")]
+    def half(op: str, dst: int, s0: int, s1: int) -> str:
+        return f"v_dual_{op} v{dst}, v{s0}" + ("" if op == "mov_b32" else f", v{s1}")
+    for x, y in pairs:
+        w = run(arch, [f"{half(x, 10, 1, 2)} :: {half(y, 13, 4, 3)}"], {1: a, 2: b, 3: c, 4: d},
+                sgprs={decode.VCC_LO: vcc})
+        for n in range(WAVE):
+            for op, dst, (s0, s1) in ((x, 10, (a, b)), (y, 13, (d, c))):
+                want = DUAL_REF[op](int(s0[n]), int(s1[n]), vcc >> n & 1)
+                got = int(w.v[dst][n])
+                assert same_f32(got, want) if op.endswith("f32") else got == want, (op, n, hex(got), hex(want))
+
+
 def test_dual_issue_reads_both_sources_before_writing():
     w = run("gfx1201", ["v_dual_mov_b32 v1, v2 :: v_dual_mov_b32 v2, v1",
                         "v_dual_mul_f32 v11, v3, v4 :: v_dual_add_f32 v12, v6, v5"],
@@ -470,6 +503,10 @@ def test_scalar_alu_results_and_scc(arch):
                     break
 
 
+SCMP = {"ge_i32": lambda a, b: i32(a) >= i32(b), "ge_u32": lambda a, b: a >= b, "eq_u32": lambda a, b: a == b,
+        "lg_u32": lambda a, b: a != b, "lt_i32": lambda a, b: i32(a) < i32(b), "gt_i32": lambda a, b: i32(a) > i32(b)}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_scalar_conversions_compares_and_exec_saves(arch):
     for f, want in [(0x3F800000, 1), (0x4F800000, M32), (0xBF800000, 0), (0x7FC00000, 0), (0x3FFFFFFF, 1),
@@ -479,11 +516,10 @@ def test_scalar_conversions_compares_and_exec_saves(arch):
     for u in (0, 1, 0xFFFFFF, 0x1000001, M32, 0x80000001):
         w = run(arch, [f"s_mov_b32 s1, {u:#x}", "s_cvt_f32_u32 s2, s1", "s_mul_f32 s3, s2, 0.5"])
         assert w.s[2] == f32_round(Fraction(u)) and w.s[3] == f32_op(w.s[2], 0x3F000000, "mul"), hex(u)
-    for a, b in [(0, 1), (M32, 0), (0x80000000, 0x7FFFFFFF), (5, 5)]:
-        w = run(arch, [f"s_mov_b32 s1, {a:#x}", f"s_mov_b32 s2, {b:#x}", "s_cmp_ge_i32 s1, s2"])
-        assert w.scc == int(i32(a) >= i32(b))
-        w = run(arch, [f"s_mov_b32 s1, {a:#x}", f"s_mov_b32 s2, {b:#x}", "s_cmp_ge_u32 s1, s2"])
-        assert w.scc == int(a >= b)
+    for a, b in [(0, 1), (1, 0), (M32, 0), (0x80000000, 0x7FFFFFFF), (5, 5), (0x7FFFFFFF, 0x80000000)]:
+        for cmp, pred in SCMP.items():
+            w = run(arch, [f"s_cmp_{cmp} s1, s2"], sgprs={1: a, 2: b})
+            assert w.scc == int(pred(a, b)), (cmp, hex(a), hex(b))
     w = run(arch, ["s_mov_b32 s1, 0xFF00FF00", "s_and_saveexec_b32 s2, s1"], exec_mask=0x0FF00FF0)
     assert (w.s[2], w.s[decode.EXEC_LO], w.scc) == (0x0FF00FF0, 0x0F000F00, 1)
     w = run(arch, ["s_mov_b32 s1, 0xFF00FF00", "s_and_not1_saveexec_b32 s2, s1"], exec_mask=0xFF00FF00)
@@ -512,6 +548,7 @@ def test_global_and_scalar_loads_and_stores(arch):
     lines = ["global_load_u8 v10, v1, s[2:3] offset:-4", "global_load_i8 v11, v1, s[2:3]",
              "global_load_u16 v12, v1, s[2:3] offset:2", "global_load_b32 v13, v1, s[2:3] offset:4",
              "global_load_b64 v[14:15], v[4:5], off offset:8", "global_store_b32 v6, v13, s[6:7]",
+             "global_load_b128 v[20:23], v1, s[2:3] offset:16",
              "s_load_b32 s20, s[2:3], 0x8", "s_load_b64 s[22:23], s[2:3], 0x10", "s_load_b128 s[24:27], s[2:3], 0x20",
              "s_load_b256 s[32:39], s[2:3], 0x40"]
     offs = np.arange(WAVE) * 4 + 4
@@ -524,6 +561,7 @@ def test_global_and_scalar_loads_and_stores(arch):
         assert int(w.v[12][n]) == struct.unpack_from("<H", data, o + 2)[0]
         assert int(w.v[13][n]) == struct.unpack_from("<I", data, o + 4)[0]
         assert int(w.v[14][n]) | int(w.v[15][n]) << 32 == struct.unpack_from("<Q", data, o + 8)[0]
+        assert [int(w.v[20 + k][n]) for k in range(4)] == list(struct.unpack_from("<4I", data, o + 16))
     assert np.frombuffer(mem.read(out, 4 * WAVE), "<u4").tolist() == [int(x) for x in w.v[13]]
     assert w.s[20] == struct.unpack_from("<I", data, 8)[0]
     assert [w.s[k] for k in range(32, 40)] == list(struct.unpack_from("<8I", data, 0x40))
@@ -545,6 +583,55 @@ def test_lds_loads_and_stores(arch):
     assert (w.v[13][act] == np.arange(16) + 1000).all() and (w.v[14][act] == np.arange(16) + 1000).all()
     with pytest.raises(InterpreterError, match="LDS access"):
         run(arch, ["ds_load_b32 v10, v1 offset:2000"], {1: addr})
+
+
+BRANCHES = {"s_cbranch_scc0": lambda w: w.scc == 0, "s_cbranch_scc1": lambda w: w.scc == 1,
+            "s_cbranch_execz": lambda w: w.s[decode.EXEC_LO] == 0,
+            "s_cbranch_execnz": lambda w: w.s[decode.EXEC_LO] != 0,
+            "s_cbranch_vccz": lambda w: w.s[decode.VCC_LO] == 0,
+            "s_cbranch_vccnz": lambda w: w.s[decode.VCC_LO] != 0, "s_branch": lambda w: True}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_branches_taken_and_not(arch):
+    """PC = PC + 4 + 4 * simm16 when taken: a branch over one 4-byte instruction skips it, and a
+    backward branch of a counted loop runs its body again."""
+    for br, cond in BRANCHES.items():
+        for scc, ex, vcc in ((0, 0, 0), (1, 1, 5)):
+            w = run(arch, ["s_mov_b32 s10, 1", f"{br} 1", "s_mov_b32 s10, 2", "s_nop 0"], exec_mask=ex, scc=scc,
+                    sgprs={decode.VCC_LO: vcc})
+            probe = machine.new_wave(ISA[arch])
+            probe.scc, probe.s[decode.EXEC_LO], probe.s[decode.VCC_LO] = scc, ex, vcc
+            assert w.s[10] == (1 if cond(probe) else 2), (br, scc, ex, vcc)
+    co = "_co" if arch == "gfx1201" else ""
+    w = run(arch, ["s_mov_b32 s10, 0", "s_mov_b32 s11, 5", f"s_add{co}_i32 s10, s10, 3", f"s_sub{co}_i32 s11, s11, 1",
+                   "s_cmp_lg_u32 s11, 0", "s_cbranch_scc1 -4"])
+    assert (w.s[10], w.s[11]) == (15, 0)
+
+
+# no effect here: memory completes at issue, so waits, clauses, scheduling hints and cache
+# maintenance change nothing; s_code_end is the padding after the last kernel (reaching it is an
+# error: test_the_padding_is_never_executed); barriers and s_sendmsg run in the micro-kernels
+NO_EFFECT = {"S_WAITCNT", "S_WAIT_KMCNT", "S_WAIT_LOADCNT", "S_WAIT_DSCNT", "S_WAIT_STORECNT", "S_WAIT_EXPCNT",
+             "S_NOP", "S_CLAUSE", "S_DELAY_ALU", "S_SET_INST_PREFETCH_DISTANCE", "GLOBAL_INV", "GLOBAL_WB",
+             "BUFFER_GL0_INV", "S_CODE_END", "S_BARRIER", "S_BARRIER_SIGNAL", "S_BARRIER_WAIT", "S_SENDMSG",
+             "S_ENDPGM"}
+
+
+def test_every_implemented_instruction_has_a_check_here():
+    """An instruction added to the interpreter without a check in this file fails this test."""
+    text = Path(__file__).read_text().upper()
+    tested = {*VALU, *(f"V_CMP_{k.upper()}" for k in CMPS), *(f"V_CMPX_{k.upper()}" for k in CMPS),
+              *(f"V_DUAL_{k.upper()}" for k in DUAL_REF), *(b.upper() for b in BRANCHES),
+              *(f"S_CMP_{k.upper()}" for k in SCMP)}
+    named = {n for n in semantics.IMPLEMENTED if n in text.replace("_E32", "").replace("_E64", "")}
+    missing = set(semantics.IMPLEMENTED) - tested - named - NO_EFFECT
+    assert not missing, sorted(missing)
+
+
+def test_the_padding_is_never_executed():
+    with pytest.raises(InterpreterError, match="s_code_end reached"):
+        run("gfx1201", ["s_code_end"])
 
 
 def test_an_unimplemented_instruction_stops_with_its_name_and_address():

@@ -76,23 +76,24 @@ def run(arch: str, lines: list[str], vgprs: dict[int, np.ndarray] | None = None,
 
 # ---------------------------------------------------------------- the references' arithmetic
 
-def f32_from_bits(b: int) -> Fraction | str:
-    """The exact value of binary32 bits, or 'inf', '-inf', 'nan'."""
-    sign, exp, man = b >> 31, (b >> 23) & 0xFF, b & 0x7FFFFF
-    if exp == 0xFF:
+def float_from_bits(b: int, exp_bits: int = 8, man_bits: int = 23) -> Fraction | str:
+    """The exact value of IEEE bits (binary32 by default, binary16 with 5 and 10), or 'inf',
+    '-inf', 'nan'."""
+    sign, exp, man = b >> (exp_bits + man_bits), (b >> man_bits) & ((1 << exp_bits) - 1), b & ((1 << man_bits) - 1)
+    bias = (1 << (exp_bits - 1)) - 1
+    if exp == (1 << exp_bits) - 1:
         return "nan" if man else ("-inf" if sign else "inf")
-    v = Fraction(man, 1 << 23) * Fraction(2) ** -126 if exp == 0 else \
-        (1 + Fraction(man, 1 << 23)) * Fraction(2) ** (exp - 127)
+    v = Fraction(man, 1 << man_bits) * Fraction(2) ** (1 - bias) if exp == 0 else \
+        (1 + Fraction(man, 1 << man_bits)) * Fraction(2) ** (exp - bias)
     return -v if sign else v
+
+
+def f32_from_bits(b: int) -> Fraction | str:
+    return float_from_bits(b)
 
 
 def f16_from_bits(b: int) -> Fraction | str:
-    sign, exp, man = b >> 15, (b >> 10) & 0x1F, b & 0x3FF
-    if exp == 0x1F:
-        return "nan" if man else ("-inf" if sign else "inf")
-    v = Fraction(man, 1 << 10) * Fraction(2) ** -14 if exp == 0 else \
-        (1 + Fraction(man, 1 << 10)) * Fraction(2) ** (exp - 15)
-    return -v if sign else v
+    return float_from_bits(b, 5, 10)
 
 
 def f32_round(v: Fraction | str, negative_zero: bool = False) -> int:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsInt, cast
 
 import numpy as np
 
@@ -79,43 +79,60 @@ def require_interpreter() -> None:
         raise DflashError(f"the RDNA interpreter needs {', '.join(missing)}: pip install 'dflash-exact[rdna]'")
 
 
-class _Runner:
+class InterpreterGpu:
+    """kernel_selftest's GPU interface (buffer, launch, read, free) on the RDNA interpreter, so the
+    dense launches are kernel_selftest.run_dense's own; `instructions` counts the last launch's."""
+
     def __init__(self, co_path: Path) -> None:
         require_interpreter()
-        from dflash.native.rdna import codeobj, machine
-        self.machine = machine
+        from dflash.native.rdna import codeobj, machine, state
+        self.machine, self.state = machine, state
         self.code = codeobj.load(co_path)
         self.prog = machine.load_program(self.code)
+        self.mem = state.Memory()
+        self.live = 0
+        self.instructions = 0
 
-    def dense(self, tname: str, ncols: int, w: bytes, xq: bytes, rows: int, cols: int,
-              xq_col: int = 0) -> tuple[np.ndarray, int]:
-        """y (ncols, rows) of `_nc<ncols>` on the columns of xq starting at column xq_col."""
-        from dflash.native.rdna.state import Memory
-        nbytes, nvals = ks.TYPES[tname]
-        nblocks, nb32 = cols // nvals, cols // 32
-        mem = Memory()
-        wa, xa, ya = mem.alloc(w), mem.alloc(xq), mem.alloc(4 * ncols * rows)
-        name = f"dflash_mmvq_{tname}_nc{ncols}"
-        karg = _pack(self.code.kernel(name), [wa, xa + xq_col * nb32 * Q8_1, ya, nblocks, rows, nblocks * nbytes,
-                                             nb32, rows])
-        stats = self.machine.launch(self.prog, name, (rows, 1, 1), (32, 4, 1), karg, mem)
-        return np.frombuffer(mem.read(ya, 4 * ncols * rows), "<f4").reshape(ncols, rows), stats.instructions
+    def buffer(self, data: bytes) -> int:
+        self.live += 1
+        return self.mem.alloc(data)
 
-    def routed(self, tname: str, w: bytes, xq: bytes, ids: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, int]:
-        """y (tokens, slots, rows) of `_id`: ids (tokens, slots); activation column token * SLOTS + slot."""
-        from dflash.native.rdna.state import Memory
-        nbytes, nvals = ks.TYPES[tname]
-        nblocks, nb32 = cols // nvals, cols // 32
-        mem = Memory()
-        wa, xa, ya = mem.alloc(w), mem.alloc(xq), mem.alloc(4 * TOKENS * SLOTS * rows)
-        ia = mem.alloc(ids.astype("<i4").tobytes())
-        name = f"dflash_mmvq_{tname}_id"
+    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               args: tuple[object, ...]) -> None:
+        values = [int(cast(SupportsInt, getattr(a, "value", a))) for a in args]  # ctypes scalars, addresses
+        stats = self.machine.launch(self.prog, name, grid, block, _pack(self.code.kernel(name), values), self.mem)
+        self.instructions = stats.instructions
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        return self.mem.read(ptr, nbytes)
+
+    def free(self, *ptrs: object) -> None:
+        self.live -= len(ptrs)
+        if self.live <= 0:  # nothing left in use: start the next launch on empty memory
+            self.mem, self.live = self.state.Memory(), 0
+
+
+def run_routed(gpu: Any, tname: str, w: bytes, xq: bytes, ids: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """y (tokens, slots, rows) of `_id` over EXPERTS experts: ids (tokens, slots); activation column
+    token * SLOTS + slot of xq."""
+    nbytes, nvals = ks.TYPES[tname]
+    nblocks, nb32 = cols // nvals, cols // 32
+    wa, xa, ya = gpu.buffer(w), gpu.buffer(xq), gpu.buffer(bytes(4 * TOKENS * SLOTS * rows))
+    ia = gpu.buffer(ids.astype("<i4").tobytes())
+    try:
         w_row = nblocks * nbytes
-        karg = _pack(self.code.kernel(name), [wa, xa, ya, ia, nblocks, rows, w_row, rows * w_row, nb32,
-                                             SLOTS * nb32, SLOTS, rows, SLOTS * rows, 1, SLOTS])
-        stats = self.machine.launch(self.prog, name, (rows, SLOTS, TOKENS), (32, 4, 1), karg, mem)
-        return (np.frombuffer(mem.read(ya, 4 * TOKENS * SLOTS * rows), "<f4").reshape(TOKENS, SLOTS, rows),
-                stats.instructions)
+        gpu.launch(f"dflash_mmvq_{tname}_id", (rows, SLOTS, TOKENS), (32, 4, 1),
+                   (wa, xa, ya, ia, nblocks, rows, w_row, rows * w_row, nb32, SLOTS * nb32, SLOTS, rows, SLOTS * rows,
+                    1, SLOTS))
+        return np.frombuffer(gpu.read(ya, 4 * TOKENS * SLOTS * rows), "<f4").reshape(TOKENS, SLOTS, rows)
+    finally:
+        gpu.free(wa, xa, ya, ia)
+
+
+def _column(case: ks.Case, xq: bytes, c: int) -> tuple[ks.Case, bytes]:
+    """Column c of a case and of its q8_1 activations, as a case of its own."""
+    nb = case.cols // 32 * Q8_1
+    return ks.Case(case.type, case.rows, case.cols, case.w, case.x[c: c + 1]), xq[c * nb:(c + 1) * nb]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -141,35 +158,36 @@ def run(arch: str, build_dir: Path = ks.DEFAULT_BUILD, types: tuple[str, ...] = 
             raise DflashError(f"unknown weight type {t!r} ({', '.join(ks.TYPES)})")
     if cols % 256 or cols <= 0 or rows <= 0:
         raise DflashError("--cols must be a positive multiple of 256 and --rows positive")
-    runner = _Runner(code_object_path(arch, build_dir, planted))
+    gpu = InterpreterGpu(code_object_path(arch, build_dir, planted))
     out: list[KernelRun] = []
+
+    def record(kernel: str, tname: str, ncols: int | None, got: np.ndarray, host: np.ndarray, nc1: np.ndarray,
+               names: tuple[str, ...], secs: float) -> None:
+        host_diff, nc1_diff = _first_diff(got, host, names), _first_diff(got, nc1, names)
+        r = KernelRun(arch, kernel, tname, ncols, host_diff is None, nc1_diff is None, host_diff or nc1_diff, secs,
+                      gpu.instructions)
+        out.append(r)
+        progress(r)
+
     for tname in types:
         rng = np.random.default_rng(seed)
         w = ks.random_weights(tname, EXPERTS * rows, cols, rng)
         x = rng.standard_normal((4, cols)).astype(np.float32)
-        dense_w = w[: len(w) // EXPERTS]
-        want, xq = ks.host_expected(ks.Case(tname, rows, cols, dense_w, x), build_dir)
-        alone = []  # each column through _nc1
-        for c in range(4):
-            t0 = time.perf_counter()
-            y1, n1 = runner.dense(tname, 1, dense_w, xq, rows, cols, xq_col=c)
-            alone.append(y1[0])
-        alone_y = np.stack(alone)
+        case = ks.Case(tname, rows, cols, w[: len(w) // EXPERTS], x)
+        want, xq = ks.host_expected(case, build_dir)
+        alone = np.stack([ks.run_dense(gpu, *_column(case, xq, c))[0] for c in range(4)])  # each column through _nc1
         for ncols in (1, 2, 3, 4):
             t0 = time.perf_counter()
-            got, n = runner.dense(tname, ncols, dense_w, xq, rows, cols)
+            got = ks.run_dense(gpu, ks.Case(tname, rows, cols, case.w, x[:ncols]), xq[: ncols * cols // 32 * Q8_1])
             secs = time.perf_counter() - t0
-            host_diff = _first_diff(got, want[:ncols], ("column", "row"))
-            nc1_diff = _first_diff(got, alone_y[:ncols], ("column", "row"))
-            r = KernelRun(arch, f"dflash_mmvq_{tname}_nc{ncols}", tname, ncols, host_diff is None, nc1_diff is None,
-                          host_diff or nc1_diff, secs, n)
-            out.append(r)
-            progress(r)
+            record(f"dflash_mmvq_{tname}_nc{ncols}", tname, ncols, got, want[:ncols], alone[:ncols], ("column", "row"),
+                   secs)
         # routed experts: the host body over all experts' rows at once, one column per (token, slot)
         ids = rng.integers(0, EXPERTS, size=(TOKENS, SLOTS)).astype(np.int32)
-        want_all, xq_all = ks.host_expected(ks.Case(tname, EXPERTS * rows, cols, w, x[: TOKENS * SLOTS]), build_dir)
+        every = ks.Case(tname, EXPERTS * rows, cols, w, x[: TOKENS * SLOTS])
+        want_all, xq_all = ks.host_expected(every, build_dir)
         t0 = time.perf_counter()
-        got, n = runner.routed(tname, w, xq_all, ids, rows, cols)
+        got = run_routed(gpu, tname, w, xq_all, ids, rows, cols)
         secs = time.perf_counter() - t0
         host = np.stack([np.stack([want_all[tok * SLOTS + s, ids[tok, s] * rows:(ids[tok, s] + 1) * rows]
                                    for s in range(SLOTS)]) for tok in range(TOKENS)])
@@ -177,12 +195,7 @@ def run(arch: str, build_dir: Path = ks.DEFAULT_BUILD, types: tuple[str, ...] = 
         for tok in range(TOKENS):
             for s in range(SLOTS):
                 e = int(ids[tok, s])
-                expert_w = w[e * len(w) // EXPERTS:(e + 1) * len(w) // EXPERTS]
-                nc1[tok, s] = runner.dense(tname, 1, expert_w, xq_all, rows, cols, xq_col=tok * SLOTS + s)[0][0]
-        host_diff = _first_diff(got, host, ("token", "slot", "row"))
-        nc1_diff = _first_diff(got, nc1, ("token", "slot", "row"))
-        r = KernelRun(arch, f"dflash_mmvq_{tname}_id", tname, None, host_diff is None, nc1_diff is None,
-                      host_diff or nc1_diff, secs, n)
-        out.append(r)
-        progress(r)
+                expert = ks.Case(tname, rows, cols, w[e * len(w) // EXPERTS:(e + 1) * len(w) // EXPERTS], every.x)
+                nc1[tok, s] = ks.run_dense(gpu, *_column(expert, xq_all, tok * SLOTS + s))[0]
+        record(f"dflash_mmvq_{tname}_id", tname, None, got, host, nc1, ("token", "slot", "row"), secs)
     return out

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -106,6 +106,20 @@ def code_object(arch: str, build_dir: Path = DEFAULT_BUILD) -> Path:
     return p
 
 
+class Gpu(Protocol):
+    """What a launch needs of a device: hip-python's (_Gpu), or the RDNA interpreter's
+    (kernel_run.InterpreterGpu)."""
+
+    def buffer(self, data: bytes) -> Any: ...
+
+    def launch(self, name: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               args: tuple[object, ...]) -> None: ...
+
+    def read(self, ptr: Any, nbytes: int) -> bytes: ...
+
+    def free(self, *ptrs: Any) -> None: ...
+
+
 class _Gpu:
     """The few hip-python calls the self-test needs (not yet run on hardware)."""
 
@@ -140,7 +154,7 @@ class _Gpu:
             self.check(self.hip.hipFree(p))
 
 
-def run_dense(gpu: _Gpu, case: Case, xq: bytes) -> np.ndarray:
+def run_dense(gpu: Gpu, case: Case, xq: bytes) -> np.ndarray:
     import ctypes
     ncols = case.x.shape[0]
     nbytes, nvals = TYPES[case.type]

@@ -98,7 +98,8 @@ def prepare(inst: Any, addr: int) -> Instr:
             continue
         value = getattr(inst, fname)
         if type(value).__name__ == "Reg":
-            out.ops[fname] = _operand(value, regs.get(fname, 1), literal)
+            # one name for the second source, whether the encoding's field is a VGPR (VOP2, VOPC) or not
+            out.ops["src1" if fname == "vsrc1" else fname] = _operand(value, regs.get(fname, 1), literal)
         else:
             out.mods[fname] = int(value)
     return out

@@ -385,7 +385,7 @@ VOP: dict[str, tuple[int, str, Callable[..., np.ndarray]]] = {
 
 def _vop_step(name: str, i: Instr) -> Step:
     nsrc, ty, fn = VOP[name]
-    names = ["src0", "vsrc1" if "vsrc1" in i.ops else "src1", "src2"][:nsrc]
+    names = ["src0", "src1", "src2"][:nsrc]
     _no_mods(i, ("neg", "abs") if ty == "f32" else ())
 
     def step(w: Wave, ins: Instr) -> None:
@@ -470,11 +470,10 @@ def _cmp_step(name: str, i: Instr) -> Step:
             return _missing(name)
         pred = CMP[key]
         _no_mods(i)
-    src1 = "vsrc1" if "vsrc1" in i.ops else "src1"
 
     def step(w: Wave, ins: Instr) -> None:
         a = np.broadcast_to(np.asarray(vread(w, ins.ops["src0"]), U32), (WAVE,)).copy()
-        b = np.broadcast_to(np.asarray(vread(w, ins.ops[src1]), U32), (WAVE,)).copy()
+        b = np.broadcast_to(np.asarray(vread(w, ins.ops["src1"]), U32), (WAVE,)).copy()
         if sixteen:
             sel = ins.mods.get("opsel", 0)
             a, b = _half(a, sel & 1), _half(b, sel >> 1 & 1)
@@ -483,30 +482,33 @@ def _cmp_step(name: str, i: Instr) -> Step:
         bits = lanes_to_bits(pred(a, b), w.mask())
         if x:
             w.s[decode.EXEC_LO] = bits
-        elif ins.fmt in ("VOPC",):
+        elif ins.fmt == "VOPC":
             w.s[decode.VCC_LO] = bits
         else:
             swrite(w, ins.ops["vdst"], bits)
     return step
 
 
+def _lane_select(w: Wave, i: Instr) -> int:
+    """The lane mask an instruction takes as its third source: VCC in the 32-bit encoding (VOP2),
+    src2 in the 64-bit one."""
+    return w.s[decode.VCC_LO] if i.fmt == "VOP2" else sread(w, i.ops["src2"])
+
+
 def _cndmask(w: Wave, i: Instr) -> None:
     _no_mods(i)
-    a = vread(w, i.ops["src0"])
-    b = vread(w, i.ops["vsrc1" if "vsrc1" in i.ops else "src1"])
-    sel = w.s[decode.VCC_LO] if i.fmt == "VOP2" else sread(w, i.ops["src2"])
-    vwrite(w, i.ops["vdst"], np.where(bits_to_lanes(sel), b, a), w.mask())
+    a, b = vread(w, i.ops["src0"]), vread(w, i.ops["src1"])
+    vwrite(w, i.ops["vdst"], np.where(bits_to_lanes(_lane_select(w, i)), b, a), w.mask())
 
 
 def _add_co(carry_in: bool) -> Step:
     def step(w: Wave, i: Instr) -> None:
         _no_mods(i)
         a = np.asarray(vread(w, i.ops["src0"]), U64)
-        b = np.asarray(vread(w, i.ops["vsrc1" if "vsrc1" in i.ops else "src1"]), U64)
+        b = np.asarray(vread(w, i.ops["src1"]), U64)
         t = a + b
         if carry_in:
-            cin = w.s[decode.VCC_LO] if i.fmt == "VOP2" else sread(w, i.ops["src2"])
-            t = t + bits_to_lanes(cin).astype(U64)
+            t = t + bits_to_lanes(_lane_select(w, i)).astype(U64)
         mask = w.mask()
         vwrite(w, i.ops["vdst"], (t & U64(M32)).astype(U32), mask)
         carry = lanes_to_bits(np.broadcast_to(t > U64(M32), (WAVE,)), mask)

@@ -121,6 +121,26 @@ def target(model: str | None = None, *, weights: str = tiny_model.DEFAULT_WEIGHT
     return ServeTarget(check, s, weights, model, env)
 
 
+def check_spec(t: ServeTarget, spec: str) -> str:
+    """The canonical --spec value, after checking it fits the target (a one-line UsageError
+    otherwise): `mtp` needs a model with next-n layers, `draft:MODEL` a readable GGUF, and
+    DeepSeek-V4 on a Vulkan device no speculation (a rejected draft restores a checkpoint, which
+    ggml-vulkan does not restore exactly: see target())."""
+    spec = serve_config.parse_spec(spec)
+    if spec == serve_config.NO_SPEC:
+        return spec
+    if not t.check.checkpoints:
+        raise UsageError(f"{arg('spec')} {spec}: a rejected draft on this model restores a saved state, and on "
+                         f"{t.check.device} restored DeepSeek-V4 states do not compute what the run that saved "
+                         f"them computes; speculate on the CPU")
+    if spec == "mtp" and not gguf_meta.read(t.check.model).nextn_layers:
+        raise UsageError(f"{arg('spec')} mtp: {t.check.model} has no next-n (multi-token prediction) layers "
+                         f"(the tiny model gets one with `dflash tiny --mtp`)")
+    if spec.startswith("draft:"):
+        gguf_meta.read(spec[len("draft:"):])  # a readable GGUF, or a one-line error
+    return spec
+
+
 def _prefill_width(t: ServeTarget) -> int:
     """The widest width the prefill record proves in fixed-width runs (those cross compressor
     boundaries, as llama-server's batches do), 1 without one."""
@@ -133,6 +153,8 @@ def qualify_command(t: ServeTarget, config: serve_config.ServeConfig) -> str:
     model (or tiny-model weights), flavor, device, options that enter the library key, and llama-server
     options."""
     parts = ["dflash qualify --serve", f"--parallel {config.parallel}", f"--ubatch {config.ubatch}"]
+    if config.spec != serve_config.NO_SPEC:
+        parts.append(f"--spec {shlex.quote(config.spec)}")
     if t.given_model:
         parts.append(f"--model {shlex.quote(t.given_model)}")
     elif t.weights != tiny_model.DEFAULT_WEIGHTS:
@@ -150,18 +172,20 @@ def qualify_command(t: ServeTarget, config: serve_config.ServeConfig) -> str:
 
 
 def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, ctx: int, threads: int,
-                  allow_inexact: bool = False, note: Say = _quiet,
+                  allow_inexact: bool = False, note: Say = _quiet, spec: str = serve_config.NO_SPEC,
                   ) -> tuple[serve_config.ServeConfig, serve_record.Entry | None]:
     """The configuration `dflash serve` runs and the serve record entry that vouches for it (None:
     none does). Without --parallel/--ubatch: the configuration of the record's exact entry with
-    the most slots, else one slot and the prefill record's width. A --parallel or --ubatch no entry
-    vouches for is refused unless allow_inexact."""
+    the most slots (and the same speculation), else one slot and the prefill record's width. A
+    --parallel or --ubatch no entry vouches for is refused unless allow_inexact, and so is
+    speculation no entry vouches for."""
+    spec = check_spec(t, spec)
     try:
         record = serve_record.load(t.identity)
     except serve_record.RecordError as e:
         note(f"ignoring serve record {e}")
         record = None
-    exact = sorted((e for e in (record.configs if record else ()) if e.exact),
+    exact = sorted((e for e in (record.configs if record else ()) if e.exact and e.config.spec == spec),
                    key=lambda e: (e.config.parallel, e.config.ubatch))
     if parallel is None and ubatch is None and exact:
         base = exact[-1].config
@@ -171,11 +195,16 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
         if fits:
             base = fits[-1].config
         else:
-            base = serve_config.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads, t.flash_attn)
+            base = serve_config.ServeConfig(parallel or 1, ubatch or _prefill_width(t), ctx, threads, t.flash_attn,
+                                            spec=spec)
     config = replace(base, ctx=ctx, threads=threads)
     entry = serve_record.find(record, config)
     if entry is None and not allow_inexact:
         cmd = qualify_command(t, config)
+        if spec != serve_config.NO_SPEC:
+            raise UsageError(f"{arg('spec')} {spec}: no serve record vouches for speculation at --parallel "
+                             f"{config.parallel} --ubatch {config.ubatch} with this server build and model: run "
+                             f"`{cmd}` first, or pass --allow-inexact")
         if config.parallel > 1:
             raise UsageError(f"{arg('parallel')} {config.parallel}: no serve record vouches for {config.parallel} "
                              f"slots at ubatch {config.ubatch} with this server build and model: run `{cmd}` first, "
@@ -191,10 +220,12 @@ def choose_config(t: ServeTarget, *, parallel: int | None, ubatch: int | None, c
 
 def qualify(t: ServeTarget, parallels: Sequence[int], ubatch: int, ctx: int, threads: int,
             shape: workload.Shape, evidence_dir: str | os.PathLike[str] | None = None,
-            argv: list[str] | None = None, log: Say = _quiet, log_line: Say = _quiet) -> ServeQualifyResult:
-    """Run the serve qualification (dflash/serving/serve_check.py) for each --parallel value; dflash prefill
-    runs in this process on the same flavor's library."""
-    configs = [serve_config.ServeConfig(p, ubatch, ctx, threads, t.flash_attn) for p in parallels]
+            argv: list[str] | None = None, log: Say = _quiet, log_line: Say = _quiet,
+            spec: str = serve_config.NO_SPEC) -> ServeQualifyResult:
+    """Run the serve qualification (dflash/serving/serve_check.py) for each --parallel value (with
+    the speculation `spec`); dflash prefill runs in this process on the same flavor's library."""
+    spec = check_spec(t, spec)
+    configs = [serve_config.ServeConfig(p, ubatch, ctx, threads, t.flash_attn, spec=spec) for p in parallels]
     out = Path(evidence_dir) if evidence_dir else default_evidence_dir("serve-qualify")
     with Session(t.given_model, weights=t.weights, lib=t.check.flavor, device=t.check.device, threads=threads,
                  bands=False, settings=t.settings, build=True, log=log) as session:

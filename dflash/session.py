@@ -46,7 +46,7 @@ from dflash.native import rpc as rpc_mod
 from dflash.proof import bench as bench_mod
 from dflash.proof import choice, evidence, provenance, qualify, records
 from dflash.run import bands as bands_mod
-from dflash.run import engine, memory, prefill
+from dflash.run import engine, memory, prefill, speculate
 
 Say = Callable[[str], None]
 Progress = Callable[[int, int], None]
@@ -258,12 +258,15 @@ class Session:
 
     def prefill(self, prompt: Prompt = None, *, n_predict: int = 16, logits: str = "all", compare_q1: bool = False,
                 resume_at: int = 0, ctx: int | None = None, schedule: str | None = None,
-                progress: Progress = _no_progress) -> PrefillResult:
+                progress: Progress = _no_progress, spec: str = "none") -> PrefillResult:
         """Prefill the prompt with the session's band schedule (or an explicit `schedule`, see
         bands.SCHEDULE_HELP: a measurement, not a qualified width), then greedy-decode n_predict
         tokens; fingerprints and timings in a PrefillResult. `compare_q1` also runs q1 on the same
-        request (PrefillResult.comparison; NotExactError is the caller's call: see check_exact)."""
+        request (PrefillResult.comparison; NotExactError is the caller's call: see check_exact).
+        `spec="ngram"` also runs the request with n-gram speculation (dflash/run/speculate.py) and
+        compares its response and decode time with the plain one (PrefillResult.speculation)."""
         _check_request(n_predict, logits)
+        speculate.check_spec(spec)
         if compare_q1 and not self.settings.bands and schedule is None:
             raise UsageError(f"{arg('compare_q1')} compares a band schedule with q1, but bands are off "
                              f"(pass {arg('bands')}=True, or set {ENV_BANDS}=1)")
@@ -275,25 +278,35 @@ class Session:
         with self._within_record(len(tokens) if explicit is None else 0) as beyond:
             result = prefill.run_request(self.engine, tokens, self.context, n_predict=n_predict, resume_at=resume_at,
                                          logits=logits, ctx=self.ctx if ctx is None else ctx, compare=compare_q1,
-                                         bands=explicit, progress=progress)
+                                         bands=explicit, progress=progress, spec=spec)
         if beyond:
             result = replace(result, warnings=(*result.warnings, beyond))
         return replace(result, memory_budget=self.memory_budget)
 
-    def generate(self, prompt: Prompt = None, *, max_tokens: int = 16, ctx: int | None = None) -> Iterator[Token]:
+    def generate(self, prompt: Prompt = None, *, max_tokens: int = 16, ctx: int | None = None, spec: str = "none",
+                 spec_stats: speculate.SpecStats | None = None) -> Iterator[Token]:
         """Prefill the prompt with the session's bands, then yield the greedy response token by
-        token (the same tokens prefill(n_predict=max_tokens) returns)."""
+        token (the same tokens prefill(n_predict=max_tokens) returns). `spec="ngram"` (or "ngram:N",
+        an N-token lookup) drafts from n-grams of the context and verifies each draft in one batch
+        (dflash/run/speculate.py): the same tokens, fewer llama_decode calls where the response
+        repeats the context; `spec_stats` (a speculate.SpecStats) collects the drafted and accepted
+        counts."""
         _check_request(max_tokens, "last")
+        speculate.check_spec(spec)
         tokens = self.tokenize(prompt)
         eng = self.engine
         n_ctx = eng.context_size(len(tokens), max_tokens, self.ctx if ctx is None else ctx)
         with self._within_record(len(tokens)):
             plan = eng.request_bands(len(tokens))
-        c = self.context(n_ctx, max(b.width for b in plan))
+        verify = 1 + speculate.NGRAM_M if spec != "none" else 1
+        c = self.context(n_ctx, max(verify, *(b.width for b in plan)))
         lib = str(eng.lib_dir)
         p = prefill.prefill(c, prefill.Request(tokens, plan, max_tokens, "last"), library=lib)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for tok, logits in prefill.greedy(c, p.last, len(tokens), max_tokens, lib):
+        pairs = (prefill.greedy(c, p.last, len(tokens), max_tokens, lib) if spec == "none"
+                 else speculate.greedy(c, tokens, p.last, max_tokens, spec_stats,
+                                       n=speculate.ngram_size(spec) or speculate.NGRAM_N))
+        for tok, logits in pairs:
             piece = eng.model.piece(tok)
             yield Token(tok, utf8.decode(piece), piece, logprob(logits, tok))
 

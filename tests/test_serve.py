@@ -374,6 +374,11 @@ def test_sigterm_during_requests_stops_cleanly():
     (["--", "-np", "8"], "use --parallel"),
     (["--parallel", "3"], "no serve record vouches for 3 slots"),
     (["--ubatch", "64", "--weights", "f16"], "no serve record or qualification record proves width 64"),
+    (["--spec", "eagle"], "is not one of"),
+    (["--spec", "mtp"], "has no next-n"),
+    (["--spec", "draft:/nonexistent.gguf"], "nonexistent.gguf"),
+    (["--spec", "ngram:2", "--weights", "f16"], "no serve record vouches for speculation"),
+    (["--", "--spec-type", "ngram-simple"], "use --spec"),
 ])
 def test_serve_refuses_before_it_binds(args, word):
     r = run_dflash("serve", "--port", str(server.free_port()), *args)
@@ -390,6 +395,93 @@ def test_api_key_is_required_when_set():
         assert "sesame" not in " ".join(Path(f"/proc/{s.llama_server_pid()}/cmdline").read_text().split("\0"))
     finally:
         assert s.stop() == 0
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+
+SPEC_QUALIFY = ["--parallel", "4", "--max-tokens", "24", "--prefix-words", "200", *THREADS, "--json"]
+
+
+def _speculated(config):
+    """A configuration's speculation, with drafts both accepted and rejected (quoted in the log)."""
+    s = config["speculation"]
+    assert s["draft_accepted"] > 0 and s["draft_rejected"] > 0, s
+    print(f"--parallel {config['config']['parallel']} --spec {s['spec']}: {s['draft_accepted']} of "
+          f"{s['draft_tokens']} drafted tokens accepted ({s['acceptance_rate']:.1%})")
+    return s
+
+
+@pytest.fixture(scope="module")
+def spec_qualified():
+    """`dflash qualify --serve --spec ngram:1` of the tiny DeepSeek-V4 model (a one-token lookup: this
+    random model's text repeats little; every rejected draft restores a checkpoint and replays)."""
+    r = run_dflash("qualify", "--serve", "--spec", "ngram:1", *SPEC_QUALIFY, "--", *CHATML)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_ngram_speculation_on_the_tiny_deepseek_v4_is_identical_to_plain_solo_cold_runs(spec_qualified):
+    """Every response with drafts equals the same request decoded without speculation, alone and
+    cold (token ids, logprobs from the verification rows, fingerprints), at --parallel 1 and 4 with
+    cache hits."""
+    out = spec_qualified
+    assert out["exact"] is True and out["system_fingerprint"].startswith("dflash-exact-")
+    by = {c["config"]["parallel"]: c for c in out["configs"]}
+    assert set(by) == {1, 4}
+    for c in by.values():
+        assert c["config"]["spec"] == "ngram:1"
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
+        assert c["cache_hits"] >= 2
+        _speculated(c)
+        assert any(v["draft_accepted"] > 0 for v in c["verdicts"] if v["wave"] == 1)  # on cache hits too
+    v = run_dflash("verify", out["evidence_dir"], "--manifest-sha256", out["manifest_sha256"])
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_the_stock_twin_of_ngram_speculation_differs_from_its_solo_cold_runs():
+    """Stock llama.cpp under the same speculation: at --parallel 1 a cold first request prefills
+    exactly as its solo cold run does, so what differs there is the verification batches."""
+    r = run_dflash("qualify", "--serve", "--lib", "stock", "--spec", "ngram:1", *SPEC_QUALIFY, "--", *CHATML)
+    assert r.returncode == 4, r.stderr
+    out = json.loads(r.stdout)
+    one = next(c for c in out["configs"] if c["config"]["parallel"] == 1)
+    _speculated(one)
+    cold = [v for v in one["verdicts"] if v["wave"] == 0 and v["draft_tokens"] > 0]
+    assert any(not v["identical_to_solo"] for v in cold), one["verdicts"]
+
+
+def test_serve_spec_runs_the_vouched_speculation_and_says_so(spec_qualified):
+    s = Serve("--spec", "ngram:1")
+    try:
+        assert s.info["vouched"] is True and s.info["spec"] == "ngram:1"
+        assert s.info["config"]["parallel"] == 4 and s.info["config"]["spec"] == "ngram:1"
+        assert s.info["system_fingerprint"].endswith("-spec-ngram1")
+        models = client.request(s.url + "/v1/models", method="GET")
+        assert models.status == 200
+        assert {m["system_fingerprint"] for m in models.body["data"]} == {s.info["system_fingerprint"]}
+        r = s.post("/v1/completions", completion(TINY_REPEAT, 24))
+        assert r.status == 200 and r.body["system_fingerprint"] == s.info["system_fingerprint"]
+        assert r.body["timings"]["draft_n"] > 0
+    finally:
+        assert s.stop() == 0, "".join(s.err[-20:])
+
+
+TINY_REPEAT = " ".join([wl.words(8, 500)] * 8)
+
+
+def test_qualify_serve_real_gguf_with_ngram_speculation(gemma):
+    """Gemma 3 270M, n-gram speculation with llama-server's default lookup of dflash serve (3 tokens),
+    identical to plain solo cold runs at --parallel 1 and 4; the repeating prompt's drafts are accepted."""
+    r = run_dflash("qualify", "--serve", "--model", gemma, "--spec", "ngram", "--parallel", "4", "--max-tokens", "24",
+                   "--prefix-words", "120", "--ctx", "2048", *THREADS, "--json", "--", "--chat-template", "gemma")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["exact"] is True
+    for c in out["configs"]:
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
+        _speculated(c)
+        repeat = next(v for v in c["verdicts"] if v["call"] == "repeat")
+        assert repeat["draft_accepted"] > 0
 
 
 # ---- a real GGUF ---------------------------------------------------------------------------------

@@ -60,12 +60,16 @@ from dflash.serving.serve_check import ServeQualifyResult
               help="With --serve: words of the prompt prefix the requests share.")
 @click.option("--ctx", type=click.IntRange(16, 1 << 24), default=4096, show_default=True,
               help="With --serve: context per slot.")
+@click.option("--spec", default=serve_config.NO_SPEC, show_default=True, metavar="none|ngram|mtp|draft:MODEL",
+              help="With --serve: the servers speculate (see `dflash serve --spec`); the solo cold references do not, "
+                   "and the workload adds a prompt that repeats itself.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- LLAMA-SERVER OPTIONS]")
 def command(model: str | None, weights: str, prompt: str | None, prompt_file: str | None, widths: str,
             resume_at: int | None, threads: int | None, lib: str, n_predict: int, evidence_dir: str | None,
             device: str, rpc: str | None, allow_mixed_builds: bool, no_repack: bool, serve: bool, parallel: int,
-            ubatch: int, max_tokens: int, prefix_words: int, ctx: int, as_json: bool, extra: tuple[str, ...]) -> None:
+            ubatch: int, max_tokens: int, prefix_words: int, ctx: int, spec: str, as_json: bool,
+            extra: tuple[str, ...]) -> None:
     """Run q1 once and the band planner at every cap in --widths over a prompt that crosses the
     compressor boundaries and the sliding window, with a resumed (unaligned) start and a tail; report
     per width whether the logits of every position are bit-identical to q1's (and the first
@@ -106,8 +110,10 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} does not apply to --serve")
         _serve(model, weights, lib, device, threads, parallel, ubatch, max_tokens, prefix_words, ctx, list(extra),
-               evidence_dir, as_json)
+               evidence_dir, as_json, spec)
         return
+    if spec != serve_config.NO_SPEC:
+        raise UsageError("--spec applies to --serve only (band qualification has no decoding to speculate)")
     if extra:
         raise UsageError(f"unexpected argument {extra[0]!r} (llama-server options go with --serve)")
     ws = parse_widths(widths)
@@ -123,17 +129,24 @@ def command(model: str | None, weights: str, prompt: str | None, prompt_file: st
 
 def _serve(model: str | None, weights: str, lib: str, device: str, threads: int | None, parallel: int, ubatch: int,
            max_tokens: int, prefix_words: int, ctx: int, extra: list[str], evidence_dir: str | None,
-           as_json: bool) -> None:
+           as_json: bool, spec: str = serve_config.NO_SPEC) -> None:
     serve_config.check_extra(extra, allow_inexact=False)
     target = serve_lib.target(model, weights=weights, lib=lib, device=device, extra=extra,
                               settings=settings.Settings.from_env(lib=lib), build_missing=True, log=output.note)
     chat = "--chat-template" in extra or "--chat-template-file" in extra or gguf_meta.has_chat_template(
         target.check.model)
-    shape = serve_workload.Shape(prefix_words=prefix_words, max_tokens=max_tokens, chat=chat)
+    spec = serve_lib.check_spec(target, spec)
+    shape = serve_workload.Shape(prefix_words=prefix_words, max_tokens=max_tokens, chat=chat,
+                                 repeat=spec != serve_config.NO_SPEC)
     n_threads = threads or min(os.cpu_count() or 1, 8)
     result = serve_lib.qualify(target, sorted({1, parallel}), ubatch, ctx, n_threads, shape, evidence_dir,
-                               argv=sys.argv, log=output.note)
+                               argv=sys.argv, log=output.note, spec=spec)
     output.emit(result, as_json, _print_serve)
+    for c in result.configs:
+        drafted, accepted = c.drafts
+        if c.config.spec != serve_config.NO_SPEC and (accepted == 0 or accepted == drafted):
+            output.warn(f"--parallel {c.config.parallel}: {drafted} tokens drafted, {accepted} accepted: the workload "
+                        f"did not exercise both an accepted and a rejected draft")
     if not result.exact:
         raise NotExactError(f"not every response of llama-server ({lib}) was identical to its solo cold run and "
                             f"to dflash prefill (see {result.evidence_dir})")
@@ -144,13 +157,16 @@ def _print_serve(result: ServeQualifyResult) -> None:
     o.print(f"model     {escape(result.model)}, llama-server {result.flavor}, system_fingerprint "
             f"{result.fingerprint}", highlight=False)
     t = Table()
+    spec = any(c.config.spec != serve_config.NO_SPEC for c in result.configs)
     for name in ("parallel", "ubatch", "responses", "identical to solo cold", "identical to prefill",
-                 "cache hits", "exact"):
+                 "cache hits", *(("spec", "drafted", "accepted") if spec else ()), "exact"):
         t.add_column(name, justify="right")
     for c in result.configs:
         e = c.entry(None)
+        drafted, accepted = c.drafts
         t.add_row(str(c.config.parallel), str(c.config.ubatch), str(e.responses), str(e.identical_to_solo),
-                  str(e.identical_to_prefill), str(e.cache_hits), _yes(c.exact))
+                  str(e.identical_to_prefill), str(e.cache_hits),
+                  *((c.config.spec, str(drafted), str(accepted)) if spec else ()), _yes(c.exact))
     o.print(t)
     for c in result.configs:
         for v in c.verdicts:

@@ -38,6 +38,10 @@ DEFAULT_CTX = 4096
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, or vulkan:N: every layer on that Vulkan device (exact library: flash attention on "
                    "and op offload off, as dflash prefill runs it). HIP, CUDA and RPC serving are not wired up yet.")
+@click.option("--spec", default=serve_config.NO_SPEC, show_default=True, metavar="none|ngram|mtp|draft:MODEL",
+              help="llama-server's speculative decoding: n-grams of the context, the model's next-n (MTP) layers, or a "
+                   "draft model. Greedy responses stay identical to those without it; needs a serve record that "
+                   "vouches for it (`dflash qualify --serve --spec ...`).")
 @click.option("--api-key", default=None, help="Require this key (Authorization: Bearer KEY) on every request.")
 @click.option("--allow-remote", is_flag=True, help="Listen on a non-loopback --host (also needs --api-key).")
 @click.option("--allow-inexact", is_flag=True,
@@ -45,7 +49,7 @@ DEFAULT_CTX = 4096
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line once the server answers.")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- LLAMA-SERVER OPTIONS]")
 def command(model: str | None, weights: str, host: str, port: int, parallel: int | None, ubatch: int | None,
-            ctx: int, threads: int | None, lib: str, device: str, api_key: str | None, allow_remote: bool,
+            ctx: int, threads: int | None, lib: str, device: str, spec: str, api_key: str | None, allow_remote: bool,
             allow_inexact: bool, as_json: bool, extra: tuple[str, ...]) -> None:
     """Run llama.cpp's llama-server (built from the same patched source as the library, `dflash
     build --server`, on first use) with the settings that keep every response bit-identical to the
@@ -57,9 +61,10 @@ def command(model: str | None, weights: str, host: str, port: int, parallel: int
     logits' SHA-256, as `dflash prefill --logits last --json` prints them).
 
     Options after `--` go to llama-server; those dflash sets are refused, and those known to break
-    exactness (--cache-reuse N, -ctk/-ctv, speculative decoding, LoRA, RoPE overrides) are refused
-    unless --allow-inexact. A llama-server that crashes is restarted (the requests in flight fail).
-    Ctrl-C or SIGTERM stop it (exit 0)."""
+    exactness (--cache-reuse N, -ctk/-ctv, synthetic draft acceptance, LoRA, RoPE overrides) are
+    refused unless --allow-inexact; speculative decoding is --spec (llama-server's tuning options,
+    such as --spec-ngram-simple-size-n, pass through). A llama-server that crashes is restarted
+    (the requests in flight fail). Ctrl-C or SIGTERM stop it (exit 0)."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -76,7 +81,7 @@ def command(model: str | None, weights: str, host: str, port: int, parallel: int
                               build_missing=True, log=output.note)
     n_threads = threads or min(os.cpu_count() or 1, 8)
     config, entry = serve_lib.choose_config(target, parallel=parallel, ubatch=ubatch, ctx=ctx, threads=n_threads,
-                                            allow_inexact=allow_inexact, note=output.note)
+                                            allow_inexact=allow_inexact, note=output.note, spec=spec)
     for w in [*s.warnings(), *warnings, *([remote_warning] if remote_warning else [])]:
         output.warn(w)
     if entry is None:
@@ -85,7 +90,8 @@ def command(model: str | None, weights: str, host: str, port: int, parallel: int
                     + f": run `{serve_lib.qualify_command(target, config)}` to prove it")
     srv = target.server(config, host, port, api_key=api_key, log_line=_relay)
     url = f"http://{host}:{port}"
-    info = {"url": url, "endpoint": f"{host}:{port}", "system_fingerprint": target.check.fingerprint,
+    fingerprint = target.check.fingerprint_for(config)
+    info = {"url": url, "endpoint": f"{host}:{port}", "system_fingerprint": fingerprint, "spec": config.spec,
             "config": config.to_json(), "record": str(target.record_path) if entry else None,
             "vouched": entry is not None, "model": target.check.model, "server_binary": target.check.binary,
             "pid": os.getpid()}
@@ -98,8 +104,9 @@ def command(model: str | None, weights: str, host: str, port: int, parallel: int
             click.echo(json.dumps(info, separators=(", ", ": ")))
         else:
             vouch = f"vouched for by {target.record_path}" if entry else "no serve record vouches for it"
+            spec_note = f" --spec {config.spec}" if config.spec != serve_config.NO_SPEC else ""
             output.out.print(f"dflash serve: {url} (OpenAI API at {url}/v1), system_fingerprint "
-                             f"{target.check.fingerprint}; --parallel {config.parallel} --ubatch {config.ubatch} "
+                             f"{fingerprint}; --parallel {config.parallel} --ubatch {config.ubatch}{spec_note} "
                              f"({vouch}); stop with Ctrl-C", highlight=False, markup=False)
         sys.stdout.flush()
 

@@ -81,6 +81,50 @@ _NO_COMPARISON: Json = {"q1": None, "identical_to_q1": None, "speedup_vs_q1": No
 
 
 @dataclass(frozen=True)
+class SpecComparison:
+    """The same request decoded with speculation (prefill --spec) against plain greedy decoding:
+    the speculative response's tokens hash and that of the logits each token was chosen from (the
+    verification batches' rows, against plain decoding's one-token rows), how many drafted tokens
+    were accepted, how rejected ones were undone (cache cut to a prefix, or a saved state
+    restored), and both decode times."""
+    spec: str
+    response_tokens_sha256: str
+    response_logits_sha256: str  # the logits each response token was chosen from (verification batch rows)
+    identical: bool              # tokens and those logits equal plain greedy decoding's, bit for bit
+    drafted: int
+    accepted: int
+    batches: int
+    truncations: int
+    restores: int
+    decode_seconds: float        # with speculation
+    plain_decode_seconds: float  # the plain run of the same request, just before
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def decode_speedup(self) -> float | None:
+        return self.plain_decode_seconds / self.decode_seconds if self.decode_seconds else None
+
+    def to_json(self) -> Json:
+        return {"spec": self.spec, "response_tokens_sha256": self.response_tokens_sha256,
+                "response_logits_sha256": self.response_logits_sha256, "identical_to_plain": self.identical,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "rejected": self.drafted - self.accepted, "acceptance_rate": self.acceptance_rate,
+                "batches": self.batches, "truncations": self.truncations, "restores": self.restores,
+                "decode_seconds": self.decode_seconds, "plain_decode_seconds": self.plain_decode_seconds,
+                "decode_speedup": self.decode_speedup}
+
+    @classmethod
+    def from_fields(cls, f: _Fields) -> SpecComparison:
+        return cls(f.text("spec"), f.text("response_tokens_sha256"), f.text("response_logits_sha256"),
+                   f.boolean("identical_to_plain"),
+                   f.integer("drafted"), f.integer("accepted"), f.integer("batches"), f.integer("truncations"),
+                   f.integer("restores"), f.number("decode_seconds"), f.number("plain_decode_seconds"))
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     model: str
     architecture: str
@@ -113,6 +157,7 @@ class PrefillResult:
     indexer_shortcut: bool = False  # the loaded library applies DeepSeek-V4's all-pooled indexer shortcut
     indexer_tile: int = 0           # the DeepSeek-V4 indexer tile the loaded library applies (0: none)
     memory_budget: Json | None = None  # --memory-budget: the budget, the width and its no_alloc estimate
+    speculation: SpecComparison | None = None  # with --spec
 
     def to_json(self) -> Json:
         return {
@@ -132,13 +177,18 @@ class PrefillResult:
             "devices": [dict(d) for d in self.devices], "repack": self.repack,
             "indexer_shortcut": self.indexer_shortcut, "indexer_tile": self.indexer_tile,
             "memory_budget": self.memory_budget,
+            "speculation": self.speculation.to_json() if self.speculation is not None else None,
             **(self.comparison.to_json() if self.comparison is not None else _NO_COMPARISON),
         }
 
     def check_exact(self) -> None:
-        """NotExactError when the q1 comparison (compare_q1) found different hashes."""
+        """NotExactError when the q1 comparison (compare_q1) found different hashes, or the
+        speculative response differs from plain greedy decoding's."""
         if self.comparison is not None and not self.comparison.identical:
             raise NotExactError("the band schedule's hashes differ from q1: this build/schedule is not exact")
+        if self.speculation is not None and not self.speculation.identical:
+            raise NotExactError(f"the response with --spec {self.speculation.spec} differs from plain greedy "
+                                f"decoding's: this library's verification batches are not exact")
 
     @classmethod
     def from_json(cls, data: str | bytes | Mapping[str, Any], what: str = "prefill result") -> PrefillResult:
@@ -179,7 +229,9 @@ class PrefillResult:
             devices=tuple(f.objects("devices")), repack=f.boolean("repack"),
             indexer_shortcut=f.boolean("indexer_shortcut"),
             indexer_tile=f.integer("indexer_tile") if "indexer_tile" in f.d else 0,
-            memory_budget=f.get("memory_budget", (dict,), nullable=True))
+            memory_budget=f.get("memory_budget", (dict,), nullable=True),
+            speculation=SpecComparison.from_fields(spec) if "speculation" in f.d
+            and (spec := f.opt_obj("speculation")) is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------

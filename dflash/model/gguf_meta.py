@@ -33,6 +33,7 @@ class ModelInfo:
     # the same over the tensors a matrix product can use as weights: at least 2 dimensions, not
     # the token embedding table (read by GET_ROWS) and not an integer table (hash routing ids)
     matrix_types: dict[str, int] = field(default_factory=dict)
+    nextn_layers: int = 0  # next-n (multi-token prediction) layers after the main ones: what --spec mtp drafts with
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -151,6 +152,7 @@ def _read(path: Path) -> ModelInfo:
         vocab_size=vocab,
         weight_types=dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items())),
         matrix_types=dict(sorted(Counter(t.tensor_type.name for t in reader.tensors if _is_matrix(t)).items())),
+        nextn_layers=int(get("nextn_predict_layers") or 0),
     )
 
 

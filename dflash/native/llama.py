@@ -473,6 +473,28 @@ class Context:
         """Forget every cached token (cache-cold start for the next request)."""
         _lib().llama_memory_clear(self.mem, True)
 
+    def truncate(self, pos: int) -> bool:
+        """Forget the cached positions from `pos` on; False when the memory cannot drop a suffix
+        (a DeepSeek-V4 compressor's pending rows, a recurrent state): restore a saved state instead."""
+        return bool(_lib().llama_memory_seq_rm(self.mem, 0, pos, -1))
+
+    def save_state(self) -> bytes:
+        """The sequence's whole state (every cache and pending compressor row), for restore_state."""
+        L = _lib()
+        size = int(L.llama_state_seq_get_size(self.ptr, 0))
+        buf = (ctypes.c_uint8 * size)()
+        if int(L.llama_state_seq_get_data(self.ptr, buf, size, 0)) != size:
+            raise LlamaError(f"llama.cpp could not save the sequence state ({size} bytes): {_last_log()}")
+        return bytes(buf)
+
+    def restore_state(self, state: bytes) -> None:
+        """Put back a state save_state returned (the cache afterwards is the one saved)."""
+        L = _lib()
+        L.llama_memory_seq_rm(self.mem, 0, -1, -1)  # a whole sequence is always removable
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if int(L.llama_state_seq_set_data(self.ptr, buf, len(state), 0)) == 0:
+            raise LlamaError(f"llama.cpp could not restore the sequence state ({len(state)} bytes): {_last_log()}")
+
     def decode(self, tokens: Sequence[int], pos: int, logits: str = "all") -> npt.NDArray[np.float32] | None:
         """Decode `tokens` at positions pos.. in one llama_decode call.
 

@@ -15,14 +15,15 @@ import hashlib
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dflash.core.errors import LlamaError
-from dflash.core.results import Library, PrefillResult, Q1Comparison, Q1Run
+from dflash.core.results import Library, PrefillResult, Q1Comparison, Q1Run, SpecComparison
 from dflash.core.stage import stage
+from dflash.run import speculate
 from dflash.run.bands import Band
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class RequestOutput:
     response_tokens_sha256: str
     response_sha256: str
     logits: np.ndarray | None = field(default=None, repr=False)
+    response_logits_sha256: str = ""  # the logits each response token was chosen from, in order
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -183,25 +185,34 @@ def greedy(ctx: Context, last: np.ndarray | None, pos: int, n_predict: int,
 
 
 def decode(ctx: Context, last: np.ndarray | None, pos: int, n_predict: int,
-           library: str = "") -> tuple[list[int], float]:
-    """The greedy response's tokens (see greedy) and the seconds spent."""
+           library: str = "") -> tuple[list[int], float, str]:
+    """The greedy response's tokens (see greedy), the seconds spent and the SHA-256 of the logits
+    each token was chosen from (float32 little-endian, in order)."""
+    return _take(greedy(ctx, last, pos, n_predict, library))
+
+
+def _take(pairs: Iterator[tuple[int, np.ndarray]]) -> tuple[list[int], float, str]:
     t0 = time.perf_counter()
-    response = [tok for tok, _ in greedy(ctx, last, pos, n_predict, library)]
-    return response, time.perf_counter() - t0
+    h = hashlib.sha256()
+    response = []
+    for tok, logits in pairs:
+        response.append(tok)
+        h.update(np.ascontiguousarray(logits, dtype="<f4").data)
+    return response, time.perf_counter() - t0, h.hexdigest()
 
 
 def run(ctx: Context, req: Request, progress: Progress = _noop,
         on_band: Callable[[Band], None] | None = None, library: str = "") -> RequestOutput:
     """One request: prefill band by band, then greedy-decode n_predict tokens."""
     p = prefill(ctx, req, progress, on_band, library)
-    response, decode_s = decode(ctx, p.last, len(req.tokens), req.n_predict, library)
+    response, decode_s, decode_logits = decode(ctx, p.last, len(req.tokens), req.n_predict, library)
     text = ctx.model.detokenize(response)
     return RequestOutput(
         widths=[b.width for b in req.bands], n_prompt_tokens=len(req.tokens) - req.start,
         prefill_seconds=p.seconds, decode_seconds=decode_s, logits_sha256=p.logits_sha256,
         prompt_sha256=sha256_tokens(req.tokens), response_tokens=response, response_text=text,
         response_tokens_sha256=sha256_tokens(response), response_sha256=hashlib.sha256(text).hexdigest(),
-        logits=p.kept)
+        logits=p.kept, response_logits_sha256=decode_logits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,23 +230,42 @@ def compare_q1(banded: RequestOutput, q1: RequestOutput) -> Q1Comparison:
 ContextFor = Callable[[int, int], "Context"]  # (n_ctx, max_band) -> a context the caller owns
 
 
+def run_speculative(ctx: Context, req: Request, plain: RequestOutput, spec: str, library: str = "") -> SpecComparison:
+    """The request again, its response decoded with speculation (speculate.greedy), against the
+    plain run `plain` of the same request."""
+    p = prefill(ctx, req, library=library)
+    stats = speculate.SpecStats()
+    n = speculate.ngram_size(spec) or speculate.NGRAM_N
+    response, seconds, logits_sha = _take(speculate.greedy(ctx, req.tokens, p.last, req.n_predict, stats, n=n))
+    identical = (response, logits_sha) == (plain.response_tokens, plain.response_logits_sha256)
+    return SpecComparison(spec, sha256_tokens(response), logits_sha, identical, stats.drafted, stats.accepted,
+                          stats.batches, stats.truncations, stats.restores, seconds, plain.decode_seconds)
+
+
 def run_request(eng: Engine, tokens: list[int], context: ContextFor, *, n_predict: int = 16, resume_at: int = 0,
                 logits: str = "all", ctx: int | None = None, compare: bool = False,
-                bands: list[Band] | None = None, progress: Progress = _noop) -> PrefillResult:
+                bands: list[Band] | None = None, progress: Progress = _noop, spec: str = "none") -> PrefillResult:
     """Prefill `tokens` with the engine's band schedule (planned as two parts when resume_at > 0;
     or the explicit `bands`) and decode n_predict tokens, on the context `context(n_ctx, max_band)`
     gives; with `compare`, run the q1 schedule of the same request on the same context afterwards
-    and compare the two (PrefillResult.comparison)."""
+    and compare the two (PrefillResult.comparison); with a `spec` other than none, run the request
+    once more decoding with speculation (PrefillResult.speculation)."""
+    speculate.check_spec(spec)
     n_ctx = eng.context_size(len(tokens), n_predict, ctx)
     bands = eng.request_bands(len(tokens), resume_at) if bands is None else bands
-    c = context(n_ctx, max(b.width for b in bands))
+    verify = 1 + speculate.NGRAM_M if spec != "none" else 1
+    c = context(n_ctx, max(verify, *(b.width for b in bands)))
     lib = str(eng.lib_dir)
-    r = run(c, Request(tokens, bands, n_predict, logits), progress, library=lib)
+    req = Request(tokens, bands, n_predict, logits)
+    r = run(c, req, progress, library=lib)
     q1 = None
     if compare:
         q1 = run(c, Request(tokens, eng.request_bands(len(tokens), resume_at, bands_on=False), n_predict, logits),
                  library=lib)
-    return describe(eng, r, n_ctx, compare_q1(r, q1) if q1 is not None else None)
+    result = describe(eng, r, n_ctx, compare_q1(r, q1) if q1 is not None else None)
+    if spec != "none":
+        result = replace(result, speculation=run_speculative(c, req, r, spec, lib))
+    return result
 
 
 def describe(eng: Engine, r: RequestOutput, n_ctx: int, comparison: Q1Comparison | None = None) -> PrefillResult:

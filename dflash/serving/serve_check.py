@@ -7,7 +7,8 @@ library flavor) computes each prompt's last-position logits and greedy response.
 identical when its token ids, logprobs (and top logprobs) and fingerprints equal its solo cold run
 bit for bit, and its prompt, last-position logits and response tokens equal the prefill's. A
 configuration is exact when every response is. Servers run one at a time; the prefill runs after
-the last one stopped.
+the last one stopped. With speculation (`--spec`) the configurations speculate and the reference
+does not: a response with drafts is judged against the same request decoded without any.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 from dflash.core.errors import DflashError
 from dflash.core.results import Json
+from dflash.core.sha_cache import file_sha256
 from dflash.proof.evidence import EvidenceWriter
 from dflash.serving import client, serve_config, serve_record, server
 from dflash.serving import serve_workload as wl
@@ -47,6 +49,13 @@ class Target:
         return serve_config.fingerprint(self.flavor, self.library_key, self.server_key, self.model_sha256,
                                    self.device_label)
 
+    def fingerprint_for(self, config: serve_config.ServeConfig) -> str:
+        """The system_fingerprint of a server running `config`: the target's, and its speculation."""
+        spec = config.spec
+        draft = file_sha256(spec[len("draft:"):]) if spec.startswith("draft:") else None
+        return serve_config.fingerprint(self.flavor, self.library_key, self.server_key, self.model_sha256,
+                                        self.device_label, serve_config.spec_label(spec, draft))
+
     @property
     def build_id(self) -> str:
         """The library and server builds, as serve records name them."""
@@ -62,6 +71,7 @@ class Target:
                port: int | None = None, api_key: str | None = None, log_line: Say = lambda s: None) -> server.Server:
         """A llama-server for `config` (not started), on a free port unless one is given."""
         port = server.free_port(host) if port is None else port
+        env = {**env, "DFLASH_SYSTEM_FINGERPRINT": self.fingerprint_for(config)}
         return server.Server(self.argv(config, host, port), host, port, env=env, log_line=log_line,
                              api_key=api_key, lib_dir=self.lib_dir)
 
@@ -82,10 +92,13 @@ class Verdict:
     prefill: bool
     cached_tokens: int
     why: str
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
     def to_json(self) -> Json:
         return {"call": self.call, "wave": self.wave, "stream": self.stream, "identical_to_solo": self.solo,
-                "identical_to_prefill": self.prefill, "cached_tokens": self.cached_tokens, "why": self.why}
+                "identical_to_prefill": self.prefill, "cached_tokens": self.cached_tokens, "why": self.why,
+                "draft_tokens": self.draft_tokens, "draft_accepted": self.draft_accepted}
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,16 @@ class ConfigResult:
     def exact(self) -> bool:
         return bool(self.verdicts) and all(v.solo and v.prefill for v in self.verdicts)
 
+    @property
+    def drafts(self) -> tuple[int, int]:
+        """Speculative decoding over the workload: (tokens drafted, tokens accepted)."""
+        return sum(v.draft_tokens for v in self.verdicts), sum(v.draft_accepted for v in self.verdicts)
+
+    def speculation_json(self) -> Json:
+        drafted, accepted = self.drafts
+        return {"spec": self.config.spec, "draft_tokens": drafted, "draft_accepted": accepted,
+                "draft_rejected": drafted - accepted, "acceptance_rate": accepted / drafted if drafted else None}
+
     def entry(self, evidence_dir: str | None) -> serve_record.Entry:
         v = self.verdicts
         return serve_record.Entry(self.config, len(v), sum(x.solo for x in v), sum(x.prefill for x in v),
@@ -104,7 +127,7 @@ class ConfigResult:
 
     def to_json(self) -> Json:
         return {"config": self.config.to_json(), "exact": self.exact, **self.entry(None).to_json(),
-                "verdicts": [v.to_json() for v in self.verdicts]}
+                "speculation": self.speculation_json(), "verdicts": [v.to_json() for v in self.verdicts]}
 
 
 @dataclass(frozen=True)
@@ -175,7 +198,8 @@ def compare(run_calls: Sequence[wl.Call], responses: Sequence[wl.Response], solo
                 ("prompt tokens", r.prompt_sha256, pre.prompt_sha256), ("last-position logits", r.logits_sha256,
                                                                          pre.logits_sha256),
                 ("response tokens", r.tokens, pre.tokens)) if a != b]
-        out.append(Verdict(call.name, call.wave, call.stream, is_solo, is_pre, r.cached_tokens, "; ".join(why)))
+        out.append(Verdict(call.name, call.wave, call.stream, is_solo, is_pre, r.cached_tokens, "; ".join(why),
+                           r.draft_tokens, r.draft_accepted))
     return tuple(out)
 
 
@@ -188,7 +212,8 @@ def qualify_serve(target: Target, configs: Sequence[serve_config.ServeConfig], s
     env = dict(os.environ if env is None else env)
     runs: list[tuple[serve_config.ServeConfig, wl.Run]] = []
     for config in configs:
-        log(f"llama-server --parallel {config.parallel} --ubatch {config.ubatch}: the mixed workload")
+        spec = f" --spec {config.spec}" if config.spec != serve_config.NO_SPEC else ""
+        log(f"llama-server --parallel {config.parallel} --ubatch {config.ubatch}{spec}: the mixed workload")
         s = target.start(config, env, log_line)
         try:
             runs.append((config, wl.run_workload(s.url, shape, progress=log)))
@@ -200,7 +225,8 @@ def qualify_serve(target: Target, configs: Sequence[serve_config.ServeConfig], s
             distinct.setdefault(c.key(), c)
     first = configs[0]
     reference = serve_config.ServeConfig(1, first.ubatch, first.ctx, first.threads, first.flash_attn)
-    log(f"reference: {len(distinct)} distinct requests, each alone on a one-slot server with the prompt cache off")
+    log(f"reference: {len(distinct)} distinct requests, each alone on a one-slot server with the prompt cache off"
+        + (" and no speculation" if any(c.spec != serve_config.NO_SPEC for c in configs) else ""))
     s = target.start(reference, env, log_line)
     try:
         solo = {k: wl.send(s.url, wl.Call(c.name, c.endpoint, c.body), extra={"cache_prompt": False})

@@ -6,7 +6,9 @@ options below. What they pin, and why:
   -b/-ub W        every ubatch carries at most W tokens, W a width proven exact for this library,
                   model and device (a serve record, or the prefill record's fixed-width run; 1 = q1
                   without either). llama-server decodes a 2-token batch while it starts, so with
-                  W = 1 the logical batch is 2 (-b 2 -ub 1): still one token per ubatch
+                  W = 1 the logical batch is 2 (-b 2 -ub 1): still one token per ubatch. With
+                  speculation the logical batch holds every slot's token and drafts (-b at least
+                  parallel x (1 + MAX_DRAFT)); ubatches stay W wide
   --swa-full      a full-size sliding-window cache (a window-sized ring is sized by n_ubatch)
   --no-kv-unified one KV stream per slot: a sequence's cells stay in position order whatever the
                   other slots do (a unified cache interleaves sequences, so the order in which
@@ -21,6 +23,13 @@ options below. What they pin, and why:
   --fit off       the context and batch sizes are the ones given, never adjusted to free memory
   prompt cache    on (llama-server's default): a reused prefix, a restored checkpoint and the RAM
                   cache are what `dflash qualify --serve` measures against cold runs
+  --spec KIND     llama-server's own speculative decoding (none by default): `ngram` drafts from
+                  n-grams of the context (ngram-simple), `draft:MODEL` from a second model, `mtp`
+                  from the model's own next-n (multi-token prediction) layers. The target verifies
+                  a slot's k drafts in one batch of k + 1 tokens; on the exact library a token's
+                  logits do not depend on the batch, so greedy responses equal those without
+                  speculation. Server patch 0004 reports a verified token's logprobs from its row
+                  of that batch (upstream leaves them unset), so qualification compares them too
   DFLASH_CHECKPOINT_EVERY=R (environment, DeepSeek-V4 only; server patch 0003)
                   R = the least common multiple of the model's compress ratios (128): llama-server
                   cannot cut this model's cache to a prefix, so it also checkpoints every position
@@ -41,10 +50,18 @@ from dataclasses import asdict, dataclass
 from dflash.core.errors import UsageError, arg
 from dflash.core.results import Json
 from dflash.core.settings import MAX_CHUNK
+from dflash.run import speculate
 
 DEFAULT_PORT = 8080
 CHECKPOINT_ENV = "DFLASH_CHECKPOINT_EVERY"  # read by llama-server (server/patches/0003)
 MAX_PARALLEL = 64
+NO_SPEC = "none"
+SPEC_KINDS = ("ngram", "ngram:N", "mtp", "draft:MODEL")
+# ngram: llama-server's ngram-simple, a lookup of the last NGRAM_N tokens (N with ngram:N) in the
+# context proposing the NGRAM_M that followed them, as dflash's own speculate.greedy does (llama.cpp's
+# defaults are 12 and 48: drafts only after a 12-token repeat)
+NGRAM_N, NGRAM_M = speculate.NGRAM_N, speculate.NGRAM_M
+MAX_DRAFT = 64  # the longest draft llama-server makes with its defaults (ngram-mod's n_max; ngram-simple's is NGRAM_M)
 
 # llama-server options dflash sets from its own flags
 MANAGED: dict[str, str] = {
@@ -59,6 +76,8 @@ MANAGED: dict[str, str] = {
     **dict.fromkeys(("-dev", "--device", "-ngl", "--gpu-layers", "--n-gpu-layers", "-sm", "--split-mode",
                      "-ts", "--tensor-split", "-mg", "--main-gpu", "--op-offload", "--no-op-offload"), "--device"),
     **dict.fromkeys(("--rpc",), "--rpc"),
+    **dict.fromkeys(("--spec-type", "--spec-default", "-md", "--model-draft", "--spec-draft-model", "-hfd", "-hfrd",
+                     "--spec-draft-hf", "--hf-repo-draft"), "--spec"),
     **dict.fromkeys(("--api-key", "--api-key-file"), "--api-key"),
     **dict.fromkeys(("-a", "--alias"), "--alias"),
     **dict.fromkeys(("--swa-full", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified", "--context-shift",
@@ -71,9 +90,8 @@ INEXACT: dict[str, str] = {
                                          "cache is not what a cold run computes"),
     **dict.fromkeys(("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"),
                     "another KV cache type than dflash prefill's changes every logit"),
-    **dict.fromkeys(("-md", "--model-draft", "--spec-draft-model", "--spec-default", "--draft", "--draft-n",
-                     "--draft-max", "--draft-min", "--draft-n-min", "--spec-type"),
-                    "speculative decoding is not qualified by dflash"),
+    **dict.fromkeys(("--spec-synth-len", "--spec-synth-rates"),
+                    "synthetic acceptance accepts drafts at random instead of by the target's choice"),
     **dict.fromkeys(("--lora", "--lora-scaled", "--control-vector", "--control-vector-scaled",
                      "--override-kv", "-ot", "--override-tensor"),
                     "it changes the model that dflash prefill checks responses against"),
@@ -93,6 +111,7 @@ class ServeConfig:
     threads: int
     flash_attn: str = "auto"
     kv_unified: bool = False
+    spec: str = NO_SPEC   # speculative decoding: none, ngram, mtp or draft:MODEL (see parse_spec)
 
     def __post_init__(self) -> None:
         if not 1 <= self.parallel <= MAX_PARALLEL:
@@ -105,22 +124,60 @@ class ServeConfig:
             raise UsageError(f"{arg('threads')} {self.threads} must be at least 1")
         if self.flash_attn not in ("auto", "on", "off"):
             raise UsageError(f"flash attention {self.flash_attn!r} is not auto, on or off")
+        parse_spec(self.spec)
 
     def args(self) -> list[str]:
         """llama-server's options for this configuration (the exact-keeping ones of the module doc)."""
-        return ["-np", str(self.parallel), "-c", str(self.ctx * self.parallel), "-b", str(max(self.ubatch, 2)),
+        batch = max(self.ubatch, 2)
+        if self.spec != NO_SPEC:  # llama-server asserts that every slot's token and drafts fit one batch
+            batch = max(batch, self.parallel * (1 + MAX_DRAFT))
+        return ["-np", str(self.parallel), "-c", str(self.ctx * self.parallel), "-b", str(batch),
                 "-ub", str(self.ubatch), "-t", str(self.threads), "-tb", str(self.threads),
                 "-fa", self.flash_attn, "--swa-full", "--kv-unified" if self.kv_unified else "--no-kv-unified",
-                "--no-context-shift", "--cache-reuse", "0", "--fit", "off"]
+                "--no-context-shift", "--cache-reuse", "0", "--fit", "off", *spec_args(self.spec)]
 
     def vouched_by(self, other: ServeConfig) -> bool:
         """A record made with `other` vouches for this configuration: the same slots, width, KV layout
-        and flash attention (context and threads change no kernel's order of operations)."""
-        return (self.parallel, self.ubatch, self.flash_attn, self.kv_unified) == \
-            (other.parallel, other.ubatch, other.flash_attn, other.kv_unified)
+        flash attention and speculation (context and threads change no kernel's order of operations)."""
+        return (self.parallel, self.ubatch, self.flash_attn, self.kv_unified, self.spec) == \
+            (other.parallel, other.ubatch, other.flash_attn, other.kv_unified, other.spec)
 
     def to_json(self) -> Json:
         return asdict(self)
+
+
+def parse_spec(text: str) -> str:
+    """The canonical form of a --spec value (none, ngram, mtp, draft:MODEL), or a one-line UsageError."""
+    t = text.strip()
+    if t in (NO_SPEC, "mtp") or speculate.ngram_size(t) is not None:
+        return t
+    if t.startswith("draft:") and t[len("draft:"):].strip():
+        return "draft:" + t[len("draft:"):].strip()
+    raise UsageError(f"{arg('spec')} {text!r} is not one of none, {', '.join(SPEC_KINDS)}")
+
+
+def spec_args(spec: str) -> list[str]:
+    """llama-server's options for a --spec value."""
+    spec = parse_spec(spec)
+    if spec == NO_SPEC:
+        return []
+    if (n := speculate.ngram_size(spec)) is not None:
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n),
+                "--spec-ngram-simple-size-m", str(NGRAM_M)]
+    if spec == "mtp":
+        return ["--spec-type", "mtp"]
+    return ["--spec-type", "draft-simple", "--spec-draft-model", spec[len("draft:"):]]
+
+
+def spec_label(spec: str, draft_sha256: str | None = None) -> str:
+    """How a fingerprint names the speculation: '' without, 'spec-ngram', 'spec-mtp', or
+    'spec-draft-<first 16 hex of the draft model's SHA-256>'."""
+    spec = parse_spec(spec)
+    if spec == NO_SPEC:
+        return ""
+    if spec.startswith("draft:"):
+        return f"spec-draft-{(draft_sha256 or 'unknown')[:16]}"
+    return f"spec-{spec.replace(':', '')}"
 
 
 def option_name(token: str) -> str | None:
@@ -176,15 +233,17 @@ def bind_address(host: str, allow_remote: bool, api_key: str | None) -> tuple[st
                        f"connection is not encrypted; serve a trusted network, or put TLS in front")
 
 
-def fingerprint(flavor: str, library_key: str, server_key: str, model_sha256: str, device_label: str = "cpu") -> str:
+def fingerprint(flavor: str, library_key: str, server_key: str, model_sha256: str, device_label: str = "cpu",
+                spec: str = "") -> str:
     """The system_fingerprint every response carries: the library (flavor and build key), the
     device when it is not the CPU (its id and a hash of its name and driver, which compiles the
-    shaders), the llama-server build and the model."""
+    shaders), the llama-server build, the model and the speculation (a spec_label) when on."""
     device = ""
     if device_label != "cpu":
         dev_id, _, about = device_label.partition(" ")
         device = f"-{dev_id.replace(':', '')}-{hashlib.sha256(about.encode()).hexdigest()[:8]}"
-    return f"dflash-{flavor}-{library_key}{device}-server-{server_key[:8]}-model-{model_sha256[:16]}"
+    return (f"dflash-{flavor}-{library_key}{device}-server-{server_key[:8]}-model-{model_sha256[:16]}"
+            + (f"-{spec}" if spec else ""))
 
 
 def device_args(device: str, flavor: str) -> list[str]:

@@ -5,7 +5,7 @@ server build, model and device. One file per identity, <cache_root()>/qualificat
      "server": {"flavor": "exact", "key": "<server build key>"}, "model": {"sha256": "<64 hex>", "path": "..."},
      "device": "cpu", "updated_utc": "...Z",        (a GPU: "vulkan:0 <its name> / <its driver>")
      "configs": [{"config": {"parallel": 4, "ubatch": 512, "ctx": 4096, "threads": 2, "flash_attn": "auto",
-                             "kv_unified": false},
+                             "kv_unified": false, "spec": "none"},
                   "responses": 13, "identical_to_solo": 13, "identical_to_prefill": 13, "cache_hits": 5,
                   "exact": true, "evidence_dir": "..."}, ...]}
 
@@ -32,6 +32,8 @@ SCHEMA, SCHEMA_VERSION = "dflash.serve-qualification", 1
 _KEYS = {"schema", "schema_version", "key", "server", "model", "device", "updated_utc", "configs"}
 _ENTRY_KEYS = {"config", "responses", "identical_to_solo", "identical_to_prefill", "cache_hits", "exact",
                "evidence_dir"}
+# a configuration's keys; "spec" too since speculation (a record without it: none)
+_CONFIG_KEYS = {"parallel", "ubatch", "ctx", "threads", "flash_attn", "kv_unified"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 __all__ = ["Entry", "Identity", "Record", "RecordError", "TIME_FORMAT", "find", "load", "now_utc", "parse",
@@ -97,11 +99,12 @@ def _entry(i: int, d: Any) -> Entry:
     _need(isinstance(d, dict) and set(d) == _ENTRY_KEYS,
           f"configs[{i}] must have exactly the keys {sorted(_ENTRY_KEYS)}")
     c = d["config"]
-    _need(isinstance(c, dict) and set(c) == {"parallel", "ubatch", "ctx", "threads", "flash_attn", "kv_unified"},
+    _need(isinstance(c, dict) and set(c) - {"spec"} == _CONFIG_KEYS,
           f"configs[{i}].config is not a serve configuration")
     try:
         _need(all(type(c[k]) is int for k in ("parallel", "ubatch", "ctx", "threads"))
-              and type(c["kv_unified"]) is bool and isinstance(c["flash_attn"], str), "wrong types")
+              and type(c["kv_unified"]) is bool and isinstance(c["flash_attn"], str)
+              and isinstance(c.get("spec", ""), str), "wrong types")
         config = ServeConfig(**c)
     except DflashError as e:
         raise RecordError(f"configs[{i}].config: {e}") from None

@@ -78,6 +78,8 @@ class Response:
     seconds: float = 0.0
     first_token_seconds: float | None = None
     error: str = ""
+    draft_tokens: int = 0     # speculative decoding: tokens drafted for this response (llama-server's timings)
+    draft_accepted: int = 0   # of those, accepted by the target
 
     def same_as(self, other: Response) -> bool:
         """Bit for bit the same answer: ids, logprobs, logits and prompt fingerprints."""
@@ -92,7 +94,8 @@ class Response:
                 "response_tokens_sha256": self.response_tokens_sha256, "system_fingerprint": self.system_fingerprint,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "finish_reason": self.finish_reason, "seconds": self.seconds,
-                "first_token_seconds": self.first_token_seconds, "error": self.error}
+                "first_token_seconds": self.first_token_seconds, "error": self.error,
+                "draft_tokens": self.draft_tokens, "draft_accepted": self.draft_accepted}
 
 
 def _logprobs(entries: Sequence[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
@@ -110,7 +113,7 @@ def _piece(choice: Mapping[str, Any]) -> str:
 def _from_parts(call: Call, status: int, chunks: Sequence[Mapping[str, Any]], seconds: float,
                 first: float | None) -> Response:
     text, lps, fp, usage, finish = "", [], None, None, ""
-    system = ""
+    system, timings = "", dict[str, Any]()
     for c in chunks:
         for choice in c.get("choices") or ():
             text += _piece(choice)
@@ -119,13 +122,15 @@ def _from_parts(call: Call, status: int, chunks: Sequence[Mapping[str, Any]], se
         fp = c.get("dflash", fp)
         usage = c.get("usage", usage)
         system = c.get("system_fingerprint", system)
+        timings = c.get("timings") or timings
     if fp is None:
         return Response(call.name, status, seconds=seconds, error="the response carries no dflash fingerprints")
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
     return Response(call.name, status, tuple(fp["response_tokens"]), tuple(lps), text, fp["logits_sha256"],
                     fp["prompt_sha256"], fp["response_tokens_sha256"], system, int(usage.get("prompt_tokens", 0)),
-                    int(details.get("cached_tokens", 0)), finish, seconds, first)
+                    int(details.get("cached_tokens", 0)), finish, seconds, first,
+                    draft_tokens=int(timings.get("draft_n", 0)), draft_accepted=int(timings.get("draft_n_accepted", 0)))
 
 
 def send(url: str, call: Call, headers: Mapping[str, str] | None = None, timeout: float = 300.0,
@@ -185,6 +190,7 @@ class Shape:
     max_tokens: int = 16
     chat: bool = False
     seed: int = 1
+    repeat: bool = False  # also a prompt whose continuation repeats its own text (what n-gram drafts predict)
 
 
 Next = Callable[[Call, Response], Call]  # a client's next call, made from its previous call and answer
@@ -221,6 +227,8 @@ def clients(shape: Shape) -> list[Client]:
            Client(0.3, comp("long", words(shape.prefix_words // 2, 8), True)),
            Client(0.35, comp("medium", words(60, 9)), (_again("medium-again", True),)),
            Client(0.2, comp("shared-2", f"{prefix} {words(15, 102)}"), (sibling("shared-2-sibling", 70, False),))]
+    if shape.repeat:
+        out.append(Client(0.4, comp("repeat", " ".join([words(8, 500)] * 8)), (_again("repeat-again", True),)))
     if shape.chat:
         def chat(name: str, user: str, stream: bool, history: tuple[dict[str, str], ...] = ()) -> Call:
             msgs = [{"role": "system", "content": prefix}, *history, {"role": "user", "content": user}]

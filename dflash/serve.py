@@ -135,7 +135,7 @@ def check_spec(t: ServeTarget, spec: str) -> str:
                          f"them computes; speculate on the CPU")
     if spec == "mtp" and not gguf_meta.read(t.check.model).nextn_layers:
         raise UsageError(f"{arg('spec')} mtp: {t.check.model} has no next-n (multi-token prediction) layers "
-                         f"(the tiny model gets one with `dflash tiny --mtp`)")
+                         f"(the tiny model gets one with `dflash tiny-model --mtp`)")
     if spec.startswith("draft:"):
         gguf_meta.read(spec[len("draft:"):])  # a readable GGUF, or a one-line error
     return spec

@@ -470,7 +470,7 @@ TINY_REPEAT = " ".join([wl.words(8, 500)] * 8)
 
 
 def test_qualify_serve_real_gguf_with_ngram_speculation(gemma):
-    """Gemma 3 270M, n-gram speculation with llama-server's default lookup of dflash serve (3 tokens),
+    """Gemma 3 270M, n-gram speculation with llama-server's default lookup of dflash serve (4 tokens),
     identical to plain solo cold runs at --parallel 1 and 4; the repeating prompt's drafts are accepted."""
     r = run_dflash("qualify", "--serve", "--model", gemma, "--spec", "ngram", "--parallel", "4", "--max-tokens", "24",
                    "--prefix-words", "120", "--ctx", "2048", *THREADS, "--json", "--", "--chat-template", "gemma")

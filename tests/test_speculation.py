@@ -55,7 +55,7 @@ def test_the_library_refuses_model_based_drafters_with_a_pointer_to_the_server()
 
 def test_spec_values_and_the_server_options_they_turn_on(tmp_path):
     assert serve_config.spec_args("none") == []
-    assert serve_config.spec_args("ngram") == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+    assert serve_config.spec_args("ngram") == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                                                "--spec-ngram-simple-size-m", "16"]
     assert serve_config.spec_args("ngram:1")[3] == "1"
     assert serve_config.spec_args("mtp") == ["--spec-type", "mtp"]

@@ -37,7 +37,7 @@ from dflash.session import Session
 @click.option("--compare-q1", is_flag=True,
               help="Also run the q1 schedule and require identical logits and response hashes (exit 4 if not).")
 @click.option("--spec", default="none", show_default=True, metavar="none|ngram|ngram:N",
-              help="Also decode the response with n-gram speculation (an N-token lookup, 3 by default) and require "
+              help="Also decode the response with n-gram speculation (an N-token lookup, 4 by default) and require "
                    "its tokens and the logits they were chosen from to equal plain decoding's (exit 4 if not); "
                    "reports the acceptance rate and both decode times.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

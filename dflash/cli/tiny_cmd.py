@@ -47,8 +47,11 @@ def _out_path(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--ds4-flash-shapes", is_flag=True,
               help="Write DeepSeek-V4 Flash's metadata and tensor shapes without weights (a sparse file of the "
                    "model's size, nothing written for the weights) to --out, for `dflash memory`.")
+@click.option("--mtp", is_flag=True,
+              help="Add a next-n (multi-token prediction) block after the others, as DeepSeek-V4 ships one: the "
+                   "drafter of `dflash serve --spec mtp`. The main blocks' weights are the same as without it.")
 @click.option("--json", "as_json", is_flag=True)
-def command(out: str | None, weights: str, seed: int, idx_heads: int, idx_dim: str, top_k: int,
+def command(out: str | None, weights: str, seed: int, idx_heads: int, idx_dim: str, top_k: int, mtp: bool,
             ds4_flash_shapes: bool, as_json: bool) -> None:
     """Write the deterministic tiny DeepSeek-V4 model. The indexer options make models where the
     indexer is a real share of the work (and where the all-pooled shortcut applies: its mask is at
@@ -68,7 +71,8 @@ def command(out: str | None, weights: str, seed: int, idx_heads: int, idx_dim: s
             output.out.print(f"{path}  ({path.stat().st_size} bytes, sparse: shapes only, no weights)",
                              highlight=False, markup=False)
         return
-    cfg = tiny_model.TinyConfig(weights=weights, seed=seed, idx_heads=idx_heads, idx_dim=int(idx_dim), top_k=top_k)
+    cfg = tiny_model.TinyConfig(weights=weights, seed=seed, idx_heads=idx_heads, idx_dim=int(idx_dim), top_k=top_k,
+                                mtp=mtp)
     try:
         path = engine.write_tiny_model(cfg, out, settings.Settings.from_env(), log=output.note, build_missing=True)
     except OSError as e:  # --out in a folder that cannot be made or written
@@ -78,7 +82,8 @@ def command(out: str | None, weights: str, seed: int, idx_heads: int, idx_dim: s
     if as_json:
         output.emit_json({"path": str(path), "weights": weights, "seed": seed, "sha256": digest,
                           "bytes": path.stat().st_size, "tensor_types": types,
-                          "indexer": {"heads": idx_heads, "dim": int(idx_dim), "top_k": top_k}})
+                          "indexer": {"heads": idx_heads, "dim": int(idx_dim), "top_k": top_k},
+                          "nextn_layers": int(mtp)})
     else:
         output.out.print(f"{path}  ({path.stat().st_size} bytes, sha256 {digest})", highlight=False, markup=False)
         output.out.print("tensor types: " + ", ".join(f"{k} {n}" for k, n in types.items()),

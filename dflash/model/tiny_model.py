@@ -93,6 +93,7 @@ class TinyConfig:
     n_shared: int = 1
     hash_layers: int = 1
     n_ctx_train: int = 16384
+    mtp: bool = False  # one next-n (multi-token prediction) block after the others: what `--spec mtp` drafts with
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -112,7 +113,12 @@ class TinyConfig:
 
     @property
     def file_name(self) -> str:
-        return f"tiny-ds4-{self.weights}-s{self.seed}.gguf"
+        return f"tiny-ds4-{self.weights}-s{self.seed}{'-mtp' if self.mtp else ''}.gguf"
+
+    @property
+    def layer_ratios(self) -> tuple[int, ...]:
+        """Every block's compress ratio: the main ones, then the next-n block's (0: sliding window only)."""
+        return (*self.ratios, *((0,) if self.mtp else ()))
 
 
 def _types(weights: str) -> dict[str, GGMLQuantizationType]:
@@ -209,7 +215,7 @@ def _write(gguf: ModuleType, QT: type[GGMLQuantizationType], out: str, c: TinyCo
            shapes_only: bool = False) -> None:
     rng = np.random.default_rng(c.seed)
     types = _types(c.weights)
-    n_layer = len(c.ratios)
+    n_layer = len(c.layer_ratios)  # block_count counts the next-n block
     hc_dim, hc_mix = HC * c.n_embd, (2 + HC) * HC
     w = gguf.GGUFWriter(out, ARCH)
     k = lambda s: f"{ARCH}.{s}"
@@ -231,6 +237,8 @@ def _write(gguf: ModuleType, QT: type[GGMLQuantizationType], out: str, c: TinyCo
                      ("attention.indexer.top_k", c.top_k), ("rope.dimension_count", c.n_rot),
                      ("hyper_connection.count", HC), ("hyper_connection.sinkhorn_iterations", 20)]:
         w.add_uint32(k(key), val)
+    if c.mtp:
+        w.add_uint32(k("nextn_predict_layers"), 1)
     for key, fval in [("expert_weights_scale", 1.5), ("attention.layer_norm_rms_epsilon", 1e-6),
                       ("attention.compress_rope_freq_base", 160000.0), ("rope.freq_base", 10000.0),
                       ("hyper_connection.epsilon", 1e-6)]:
@@ -238,7 +246,7 @@ def _write(gguf: ModuleType, QT: type[GGMLQuantizationType], out: str, c: TinyCo
     w.add_bool(k("expert_weights_norm"), True)
     w.add_array(k("swiglu_clamp_exp"), [10.0] * n_layer)
     w.add_array(k("swiglu_clamp_shexp"), [10.0] * n_layer)
-    w.add_key_value(k("attention.compress_ratios"), list(c.ratios), gguf.GGUFValueType.ARRAY,
+    w.add_key_value(k("attention.compress_ratios"), list(c.layer_ratios), gguf.GGUFValueType.ARRAY,
                     sub_type=gguf.GGUFValueType.UINT32)
     w.add_tokenizer_model("test")
     w.add_token_list([f"tok_{i}" for i in range(c.n_vocab)])
@@ -274,7 +282,7 @@ def _write(gguf: ModuleType, QT: type[GGMLQuantizationType], out: str, c: TinyCo
     add("output_hc_base.weight", (HC,), f32, std=0.5)
     add("output_hc_scale.weight", (1,), f32, values=np.array([0.5]))
     dense, exps = types["dense"], types["exps"]
-    for i, r in enumerate(c.ratios):
+    for i, r in enumerate(c.layer_ratios):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", (c.n_embd,), f32, norm=True)
         add(b + "attn_sinks.weight", (c.n_head,), f32, std=0.5)
@@ -318,6 +326,10 @@ def _write(gguf: ModuleType, QT: type[GGMLQuantizationType], out: str, c: TinyCo
         add(b + "ffn_gate_shexp.weight", (c.n_ff_exp * c.n_shared, c.n_embd), dense)
         add(b + "ffn_up_shexp.weight", (c.n_ff_exp * c.n_shared, c.n_embd), dense)
         add(b + "ffn_down_shexp.weight", (c.n_embd, c.n_ff_exp * c.n_shared), dense)
+        if i >= len(c.ratios):  # the next-n block: token embedding and hidden state, normed, projected
+            add(b + "nextn.eh_proj.weight", (c.n_embd, 2 * c.n_embd), dense)
+            add(b + "nextn.enorm.weight", (c.n_embd,), f32, norm=True)
+            add(b + "nextn.hnorm.weight", (c.n_embd,), f32, norm=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     if shapes_only:  # tensor infos, then a hole as large as the data section

@@ -27,7 +27,7 @@ from dflash.core.stage import stage
 if TYPE_CHECKING:
     from dflash.native.llama import Context
 
-NGRAM_N, NGRAM_M = 3, 16  # lookup length and longest draft (dflash serve --spec ngram uses the same)
+NGRAM_N, NGRAM_M = 4, 16  # lookup length and longest draft (dflash serve --spec ngram uses the same)
 MAX_NGRAM_N = 16
 
 

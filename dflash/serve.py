@@ -137,7 +137,9 @@ def check_spec(t: ServeTarget, spec: str) -> str:
         raise UsageError(f"{arg('spec')} mtp: {t.check.model} has no next-n (multi-token prediction) layers "
                          f"(the tiny model gets one with `dflash tiny-model --mtp`)")
     if spec.startswith("draft:"):
-        gguf_meta.read(spec[len("draft:"):])  # a readable GGUF, or a one-line error
+        draft = Path(spec[len("draft:"):]).resolve()
+        gguf_meta.read(draft)  # a readable GGUF, or a one-line error
+        spec = f"draft:{draft}"  # records and fingerprints name one file whatever the working directory
     return spec
 
 

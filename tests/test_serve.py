@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.core.sha_cache import file_sha256
 from dflash.native import build
 from dflash.serving import client, server
 from dflash.serving import serve_workload as wl
@@ -467,6 +468,60 @@ def test_serve_spec_runs_the_vouched_speculation_and_says_so(spec_qualified):
 
 
 TINY_REPEAT = " ".join([wl.words(8, 500)] * 8)
+
+
+@pytest.fixture(scope="module")
+def tiny_drafters(tmp_path_factory):
+    """The built-in tiny model's weights in f32 (a draft model: the same seed, so it mostly agrees
+    with the MXFP4 target) and the tiny model with a next-n block (`dflash tiny-model --mtp`)."""
+    d = tmp_path_factory.mktemp("drafters")
+    run_dflash("tiny-model", "--weights", "f32", "--out", d / "tiny-f32.gguf", check=True)
+    run_dflash("tiny-model", "--mtp", "--out", d / "tiny-mtp.gguf", check=True)
+    return {"f32": str(d / "tiny-f32.gguf"), "mtp": str(d / "tiny-mtp.gguf")}
+
+
+def test_draft_model_speculation_is_identical_to_plain_solo_cold_runs(tiny_drafters):
+    """A model-based drafter: the tiny model's f32 weights drafting for its MXFP4 weights (the same
+    vocabulary; they disagree where quantization moves an argmax, so drafts are accepted and
+    rejected), on DeepSeek-V4's checkpoint restores, at --parallel 1 and 4 with cache hits."""
+    r = run_dflash("qualify", "--serve", "--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY, "--", *CHATML)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["exact"] is True and out["system_fingerprint"].endswith(
+        "-spec-draft-" + file_sha256(tiny_drafters["f32"])[:16])
+    for c in out["configs"]:
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
+        _speculated(c)
+
+
+def test_the_stock_twin_of_draft_model_speculation_differs(tiny_drafters):
+    """Stock llama.cpp with the same drafter: cold first requests at --parallel 1 (prefilled as
+    their solo cold runs are) differ from those runs."""
+    r = run_dflash("qualify", "--serve", "--lib", "stock", "--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY,
+                   "--", *CHATML)
+    assert r.returncode == 4, r.stderr
+    one = next(c for c in json.loads(r.stdout)["configs"] if c["config"]["parallel"] == 1)
+    _speculated(one)
+    assert any(not v["identical_to_solo"] for v in one["verdicts"] if v["wave"] == 0 and v["draft_tokens"] > 0)
+
+
+def test_mtp_speculation_on_a_next_n_block_is_identical_to_plain_solo_cold_runs(tiny_drafters):
+    """`--spec mtp` on the tiny model with a next-n block (its main blocks are the built-in tiny
+    model's): llama-server drafts with the block and rolls DeepSeek-V4's cache back by up to
+    n_rs_seq positions. The block's weights are random, so it almost never agrees with the model
+    (about 1 draft in 1,000 accepted): the test proves verification and rollback exact, not a good
+    drafter."""
+    r = run_dflash("qualify", "--serve", "--model", tiny_drafters["mtp"], "--spec", "mtp", *SPEC_QUALIFY,
+                   "--", *CHATML)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["exact"] is True and out["system_fingerprint"].endswith("-spec-mtp")
+    for c in out["configs"]:
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
+        s = c["speculation"]
+        assert s["draft_tokens"] > 0 and s["draft_rejected"] > 0, s
+        print(f"--parallel {c['config']['parallel']} --spec mtp: {s['draft_accepted']} of {s['draft_tokens']} "
+              f"drafted tokens accepted")
 
 
 def test_qualify_serve_real_gguf_with_ngram_speculation(gemma):

@@ -58,7 +58,7 @@ def test_spec_values_and_the_server_options_they_turn_on(tmp_path):
     assert serve_config.spec_args("ngram") == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                                                "--spec-ngram-simple-size-m", "16"]
     assert serve_config.spec_args("ngram:1")[3] == "1"
-    assert serve_config.spec_args("mtp") == ["--spec-type", "mtp"]
+    assert serve_config.spec_args("mtp") == ["--spec-type", "draft-mtp"]
     assert serve_config.spec_args(" draft:/m/d.gguf ") == ["--spec-type", "draft-simple", "--spec-draft-model",
                                                            "/m/d.gguf"]
     for bad in ("eagle", "draft:", "ngram:0", ""):
@@ -211,3 +211,32 @@ def test_speculative_greedy_stops_where_plain_greedy_stops():
         want = plain(ctx, history, n_predict)
         got = [t for t, _ in speculate.greedy(ctx, history, ctx._row(cut - 1), n_predict, n=1)]
         assert got == want, (cut, n_predict)
+
+
+# ---- the tiny model's next-n block -------------------------------------------------------------------
+
+def test_the_next_n_block_adds_one_block_and_leaves_the_main_model_as_it_was(tmp_path):
+    from gguf import GGUFReader
+
+    from dflash.model import gguf_meta, tiny_model
+
+    plain = tiny_model.write(tmp_path / "plain.gguf", tiny_model.TinyConfig(weights="f32"))
+    mtp = tiny_model.write(tmp_path / "mtp.gguf", tiny_model.TinyConfig(weights="f32", mtp=True))
+    a = {t.name: np.array(t.data) for t in GGUFReader(plain).tensors}
+    b = {t.name: np.array(t.data) for t in GGUFReader(mtp).tensors}
+    n = len(tiny_model.TinyConfig().ratios)
+    assert set(a) < set(b) and all(name.startswith(f"blk.{n}.") for name in set(b) - set(a))
+    assert {f"blk.{n}.nextn.eh_proj.weight", f"blk.{n}.nextn.enorm.weight", f"blk.{n}.nextn.hnorm.weight"} <= set(b)
+    assert all(np.array_equal(a[name], b[name]) for name in a)
+    info = gguf_meta.read(mtp)
+    assert (info.nextn_layers, info.n_layers, info.compress_ratios) == (1, n + 1, (*tiny_model.TinyConfig().ratios, 0))
+    assert gguf_meta.read(plain).nextn_layers == 0
+
+
+def test_llama_cpp_runs_the_main_blocks_of_a_model_with_a_next_n_block_as_without(tmp_path):
+    """Its prefill logits and response equal the built-in tiny model's (the same main blocks)."""
+    run_dflash("tiny-model", "--mtp", "--out", tmp_path / "mtp.gguf", check=True)
+    got = [json.loads(run_dflash("prefill", *model, "--logits", "last", "--n-predict", "8", "--threads", TEST_THREADS,
+                                 "--json", check=True).stdout)
+           for model in (["--model", tmp_path / "mtp.gguf"], [])]
+    assert (got[0]["logits_sha256"], got[0]["response_tokens"]) == (got[1]["logits_sha256"], got[1]["response_tokens"])

@@ -256,7 +256,7 @@ def qualify_serve(target: Target, configs: Sequence[serve_config.ServeConfig], s
         final, manifest = ev.commit()
     identity = serve_record.Identity(target.flavor, target.build_id, target.model_sha256, target.device_label)
     record = serve_record.save(identity, target.model, [c.entry(str(final)) for c in results])
-    return ServeQualifyResult(target.flavor, target.model, target.fingerprint, results,
+    return ServeQualifyResult(target.flavor, target.model, target.fingerprint_for(first), results,
                               str(serve_record.record_path(record.identity)), str(final), manifest)
 
 

@@ -165,7 +165,7 @@ def spec_args(spec: str) -> list[str]:
         return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n),
                 "--spec-ngram-simple-size-m", str(NGRAM_M)]
     if spec == "mtp":
-        return ["--spec-type", "mtp"]
+        return ["--spec-type", "draft-mtp"]
     return ["--spec-type", "draft-simple", "--spec-draft-model", spec[len("draft:"):]]
 
 

@@ -34,6 +34,7 @@ from dflash.core.results import (
     RpcServerResult,
     RunCheck,
     Skipped,
+    SpecComparison,
     WidthResult,
 )
 from dflash.core.settings import Qualified
@@ -137,6 +138,10 @@ PREFILL = {
             "prefill_tokens_per_second": NUM}, NULL),
     "identical_to_q1": (BOOL, NULL), "speedup_vs_q1": (NUM, NULL), "devices": [DEVICE], "repack": BOOL,
     "indexer_shortcut": BOOL, "indexer_tile": INT, "memory_budget": (BUDGET, NULL),
+    "speculation": ({"spec": STR, "response_tokens_sha256": SHA, "response_logits_sha256": SHA,
+                     "identical_to_plain": BOOL, "drafted": INT, "accepted": INT, "rejected": INT,
+                     "acceptance_rate": (NUM, NULL), "batches": INT, "truncations": INT, "restores": INT,
+                     "decode_seconds": NUM, "plain_decode_seconds": NUM, "decode_speedup": (NUM, NULL)}, NULL),
 }
 
 BENCH_SUMMARY = {  # the evidence's summary.json
@@ -230,7 +235,8 @@ def prefill_result(compared: bool = True) -> PrefillResult:
         response_tokens=(7, 8), response_tokens_sha256=H[2], response_text="hi", response_sha256=H[3],
         warnings=("a warning",), uncovered_weight_types={"Q6_K": 12, "IQ4_XS": 3},
         devices=({"id": "cpu"}, REMOTE), repack=False,
-        comparison=Q1Comparison(Q1Run(H[1], H[3], 1.0, 9.0), identical=True, speedup=2.0) if compared else None)
+        comparison=Q1Comparison(Q1Run(H[1], H[3], 1.0, 9.0), identical=True, speedup=2.0) if compared else None,
+        speculation=SpecComparison("ngram", H[2], H[0], True, 10, 7, 3, 1, 2, 0.05, 0.1) if compared else None)
 
 
 def bench_result() -> BenchResult:

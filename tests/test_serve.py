@@ -199,14 +199,14 @@ def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact
     """DeepSeek-V4's cache cannot be cut to a prefix: with server patch 0003 llama-server also
     checkpoints every multiple of the compress ratios' lcm (128 on the tiny model), so a new suffix
     on a ~1,000-token prefix is served from the last such position at or below the shared part
-    (stock llama-server: from 4 + n_ubatch tokens before the old prompt's end), the repeat from 4
-    tokens before the end; each identical to the same request alone and cold."""
+    (stock llama-server: from 4 + n_ubatch tokens before the old prompt's end), the repeat from one
+    token before the end (patch 0005); each identical to the same request alone and cold."""
     every = 128
     a, common, repeat, sibling, colds, prompts = _prefix_hits(serving, every)
     # the old prompt's own checkpoints sit 4 and 4 + n_ubatch tokens before its end
     ub = serving.info["config"]["ubatch"]
     old_end = [len(a) - 4, len(a) - 4 - ub]
-    assert repeat.cached_tokens == len(a) - 4
+    assert repeat.cached_tokens == len(a) - 1  # server patch 0005: a checkpoint one token before the end
     want = max([c for c in old_end if 0 < c <= common] + [common // every * every])
     assert want == common // every * every, (want, old_end, common)
     assert sibling.cached_tokens == want, (sibling.cached_tokens, want, common, len(a))
@@ -218,6 +218,38 @@ def test_a_shared_prefix_restarts_from_its_last_aligned_position_and_stays_exact
         assert list(got.tokens) == p["response_tokens"]
 
 
+def _turns(srv, words_seed=11):
+    """A ~70-token prompt (token ids) cold, the same again, then a second turn that extends the
+    finished conversation (prompt, response, a new question); the last two also alone and cold."""
+    ids = _tokens(srv, wl.words(60, words_seed))
+    first = wl.send(srv.url, wl.Call("first", wl.COMPLETIONS, completion(ids, 8)))
+    assert first.status == 200, first.error
+    call = wl.Call("repeat", wl.COMPLETIONS, completion(ids, 8))
+    turn2 = wl.Call("turn-2", wl.COMPLETIONS, completion(
+        [*ids, *first.tokens, *_tokens(srv, wl.words(12, words_seed + 1))], 8))
+    repeat, second = wl.send(srv.url, call), wl.send(srv.url, turn2)
+    colds = [wl.send(srv.url, c, extra={"cache_prompt": False}) for c in (call, turn2)]
+    return ids, first, repeat, second, colds
+
+
+def test_a_repeated_prompt_and_a_next_turn_reuse_the_cache_to_the_last_token(serving):
+    """DeepSeek-V4 at --parallel 4 (server patch 0005): a checkpoint one token before each prompt's
+    end and one at the end of each response, so an exact repeat evaluates one token and a next turn
+    starts at the previous response's last token (sampled, never decoded); each identical to the
+    same request alone and cold."""
+    assert serving.info["config"]["parallel"] == 4
+    ids, first, repeat, second, colds = _turns(serving)
+    assert len(ids) >= 60 and len(first.tokens) == 8
+    assert repeat.cached_tokens == len(ids) - 1, (repeat.cached_tokens, len(ids))
+    assert second.cached_tokens == len(ids) + len(first.tokens) - 1, (second.cached_tokens, len(ids))
+    assert repeat.same_as(first)
+    for got, cold in zip((repeat, second), colds, strict=True):
+        assert cold.cached_tokens == 0 and got.same_as(cold)
+    print(f"repeat of {len(ids)} tokens: {repeat.cached_tokens} cached, first token after "
+          f"{repeat.first_token_seconds or repeat.seconds:.3f} s vs {colds[0].seconds:.3f} s cold; next turn of "
+          f"{second.prompt_tokens} tokens: {second.cached_tokens} cached")
+
+
 def test_the_stock_twin_of_the_prefix_hits_differs_from_its_cold_runs():
     """The same hits on the stock library (same server binary and checkpoints, 64-token ubatches
     that no record vouches for): the comparison with the cold runs must catch them differing."""
@@ -226,6 +258,9 @@ def test_the_stock_twin_of_the_prefix_hits_differs_from_its_cold_runs():
         _, _, repeat, sibling, colds, _ = _prefix_hits(s)
         assert sibling.cached_tokens > 0, "no shared-prefix hit: nothing was compared"
         assert not (repeat.same_as(colds[0]) and sibling.same_as(colds[1]))
+        _, _, repeat, second, colds = _turns(s)  # and the hits at the ends of a prompt and a response
+        assert repeat.cached_tokens > 0 and second.cached_tokens > 0
+        assert not (repeat.same_as(colds[0]) and second.same_as(colds[1]))
     finally:
         assert s.stop() == 0, "".join(s.err[-20:])
 

@@ -83,7 +83,7 @@ def test_managed_options_are_refused_even_with_allow_inexact(extra, word):
 
 
 @pytest.mark.parametrize("extra", [["--cache-reuse", "256"], ["--cache-reuse=16"], ["-ctk", "q8_0"],
-                                   ["--lora", "a.gguf"], ["--rope-freq-base", "1e6"], ["-md", "d.gguf"]])
+                                   ["--lora", "a.gguf"], ["--rope-freq-base", "1e6"], ["--spec-synth-len", "2"]])
 def test_inexact_options_need_allow_inexact(extra):
     with pytest.raises(UsageError, match="breaks exactness.*--allow-inexact"):
         serve_config.check_extra(extra, allow_inexact=False)

@@ -34,7 +34,10 @@ options below. What they pin, and why:
                   R = the least common multiple of the model's compress ratios (128): llama-server
                   cannot cut this model's cache to a prefix, so it also checkpoints every position
                   that is a multiple of R, where every compressed row is complete; a request that
-                  shares a prefix with a cached one restarts from the last such position
+                  shares a prefix with a cached one restarts from the last such position.
+                  Server patch 0005 (same variable) adds a checkpoint one token before each
+                  prompt's end and one at the end of each response: an exact repeat evaluates its
+                  last token only, and a next turn starts at the previous response's last token
 
 Options a user passes after `--` go to llama-server as they are, except those dflash sets itself
 (refused: use dflash's flag) and those known to break exactness (refused unless allow_inexact).

@@ -233,10 +233,11 @@ def _turns(srv, words_seed=11):
 
 
 def test_a_repeated_prompt_and_a_next_turn_reuse_the_cache_to_the_last_token(serving):
-    """DeepSeek-V4 at --parallel 4 (server patch 0005): a checkpoint one token before each prompt's
-    end and one at the end of each response, so an exact repeat evaluates one token and a next turn
-    starts at the previous response's last token (sampled, never decoded); each identical to the
-    same request alone and cold."""
+    """DeepSeek-V4 at --parallel 4: with server patch 0005's checkpoint one token before each
+    prompt's end an exact repeat evaluates one token; a next turn that extends the finished
+    conversation continues the slot's cache from the previous response's last token (sampled,
+    never decoded; no cut, so no checkpoint is needed); each identical to the same request alone
+    and cold."""
     assert serving.info["config"]["parallel"] == 4
     ids, first, repeat, second, colds = _turns(serving)
     assert len(ids) >= 60 and len(first.tokens) == 8
@@ -529,9 +530,11 @@ def test_draft_model_speculation_is_identical_to_plain_solo_cold_runs(tiny_draft
         _speculated(c)
 
 
+@pytest.mark.long
 def test_the_stock_twin_of_draft_model_speculation_differs(tiny_drafters):
     """Stock llama.cpp with the same drafter: cold first requests at --parallel 1 (prefilled as
-    their solo cold runs are) differ from those runs."""
+    their solo cold runs are) differ from those runs. (Long job: CI's job keeps the n-gram twin,
+    the same comparison.)"""
     r = run_dflash("qualify", "--serve", "--lib", "stock", "--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY,
                    "--", *CHATML)
     assert r.returncode == 4, r.stderr
@@ -578,9 +581,12 @@ def test_qualify_serve_real_gguf_with_ngram_speculation(gemma):
 
 
 
+@pytest.mark.long
 def test_qualify_serve_real_gguf_with_a_chat_template(gemma):
     """Gemma 3 (sliding-window attention; this GGUF carries no template, llama.cpp's built-in gemma
-    one has special turn tokens): --parallel 1 and 4 exact."""
+    one has special turn tokens): --parallel 1 and 4 exact. (Long job: CI's job runs the same
+    workload with n-gram speculation, test_qualify_serve_real_gguf_with_ngram_speculation, whose
+    servers run this configuration and speculate.)"""
     r = run_dflash("qualify", "--serve", "--model", gemma, "--parallel", "4", "--max-tokens", "8",
                    "--prefix-words", "120", "--ctx", "2048", *THREADS, "--json", "--", "--chat-template", "gemma")
     assert r.returncode == 0, r.stderr[-3000:]

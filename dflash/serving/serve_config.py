@@ -36,8 +36,7 @@ options below. What they pin, and why:
                   that is a multiple of R, where every compressed row is complete; a request that
                   shares a prefix with a cached one restarts from the last such position.
                   Server patch 0005 (same variable) adds a checkpoint one token before each
-                  prompt's end and one at the end of each response: an exact repeat evaluates its
-                  last token only, and a next turn starts at the previous response's last token
+                  prompt's end: an exact repeat evaluates its last token only
 
 Options a user passes after `--` go to llama-server as they are, except those dflash sets itself
 (refused: use dflash's flag) and those known to break exactness (refused unless allow_inexact).

@@ -15,6 +15,9 @@ from dflash.session import Session
 
 from .conftest import TEST_THREADS, run_dflash
 
+# in-process sessions load the exact library with the flags tests/test_session.py's do (one process
+# loads one library and flag set): bands on, cap 4
+IN_PROCESS = {"bands": True, "chunk": 4, "threads": TEST_THREADS}
 # a prompt whose continuation repeats it: what n-gram drafts predict
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 2 + "Repeat the code above:\n"
 TINY_PROMPT = " ".join([wl.words(8, 505)] * 8)
@@ -124,7 +127,7 @@ def _both(s, prompt, spec, max_tokens):
 def test_generate_with_ngram_speculation_equals_plain_on_the_tiny_deepseek_v4(tiny_models):
     """DeepSeek-V4's compressors cannot drop a suffix: every rejected draft restores the state saved
     before its batch and decodes the kept tokens again."""
-    with Session(str(tiny_models["mxfp4"]), threads=TEST_THREADS) as s:
+    with Session(str(tiny_models["mxfp4"]), **IN_PROCESS) as s:
         plain, fast, stats = _both(s, TINY_PROMPT, "ngram:1", 48)
     assert [(t.id, t.logprob) for t in fast] == [(t.id, t.logprob) for t in plain]
     assert len(plain) == 48
@@ -134,7 +137,7 @@ def test_generate_with_ngram_speculation_equals_plain_on_the_tiny_deepseek_v4(ti
 
 
 def test_generate_with_ngram_speculation_equals_plain_on_gemma(gemma):
-    with Session(gemma, threads=TEST_THREADS) as s:
+    with Session(gemma, **IN_PROCESS) as s:
         plain, fast, stats = _both(s, CODE, "ngram", 64)
     assert [(t.id, t.logprob) for t in fast] == [(t.id, t.logprob) for t in plain]
     assert stats.accepted > 0 and stats.rejected > 0, stats

@@ -436,7 +436,7 @@ def test_api_key_is_required_when_set():
 
 # ---- speculative decoding ------------------------------------------------------------------------
 
-SPEC_QUALIFY = ["--parallel", "4", "--max-tokens", "24", "--prefix-words", "200", *THREADS, "--json"]
+SPEC_QUALIFY = ["--parallel", "4", "--max-tokens", "24", "--prefix-words", "200", *THREADS]
 
 
 def _speculated(config):
@@ -448,26 +448,48 @@ def _speculated(config):
     return s
 
 
+def _spec_qualify(*args, extra=CHATML):
+    """`dflash qualify --serve` with speculation on the exact library: exit 0, and every
+    configuration's 17 responses identical to their solo cold runs without speculation and to
+    dflash prefill."""
+    r = run_dflash("qualify", "--serve", *args, "--json", "--", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["exact"] is True
+    for c in out["configs"]:
+        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
+    return out
+
+
+def _stock_twin(*args):
+    """The same on the stock library: exit 4, and at --parallel 1 a cold first request with drafts
+    (prefilled exactly as its solo cold run is, so the verification batches are what differ)
+    differs from its solo cold run. Returns that configuration."""
+    r = run_dflash("qualify", "--serve", "--lib", "stock", *args, "--json", "--", *CHATML)
+    assert r.returncode == 4, r.stderr
+    one = next(c for c in json.loads(r.stdout)["configs"] if c["config"]["parallel"] == 1)
+    cold = [v for v in one["verdicts"] if v["wave"] == 0 and v["draft_tokens"] > 0]
+    assert any(not v["identical_to_solo"] for v in cold), one["verdicts"]
+    return one
+
+
 @pytest.fixture(scope="module")
 def spec_qualified():
     """`dflash qualify --serve --spec ngram:1` of the tiny DeepSeek-V4 model (a one-token lookup: this
     random model's text repeats little; every rejected draft restores a checkpoint and replays)."""
-    r = run_dflash("qualify", "--serve", "--spec", "ngram:1", *SPEC_QUALIFY, "--", *CHATML)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return _spec_qualify("--spec", "ngram:1", *SPEC_QUALIFY)
 
 
 def test_ngram_speculation_on_the_tiny_deepseek_v4_is_identical_to_plain_solo_cold_runs(spec_qualified):
     """Every response with drafts equals the same request decoded without speculation, alone and
     cold (token ids, logprobs from the verification rows, fingerprints), at --parallel 1 and 4 with
     cache hits."""
-    out = spec_qualified
-    assert out["exact"] is True and out["system_fingerprint"].startswith("dflash-exact-")
+    out = spec_qualified  # exact, 17 of 17 identical at each --parallel (_spec_qualify)
+    assert out["system_fingerprint"].startswith("dflash-exact-")
     by = {c["config"]["parallel"]: c for c in out["configs"]}
     assert set(by) == {1, 4}
     for c in by.values():
         assert c["config"]["spec"] == "ngram:1"
-        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
         assert c["cache_hits"] >= 2
         _speculated(c)
         assert any(v["draft_accepted"] > 0 for v in c["verdicts"] if v["wave"] == 1)  # on cache hits too
@@ -478,13 +500,7 @@ def test_ngram_speculation_on_the_tiny_deepseek_v4_is_identical_to_plain_solo_co
 def test_the_stock_twin_of_ngram_speculation_differs_from_its_solo_cold_runs():
     """Stock llama.cpp under the same speculation: at --parallel 1 a cold first request prefills
     exactly as its solo cold run does, so what differs there is the verification batches."""
-    r = run_dflash("qualify", "--serve", "--lib", "stock", "--spec", "ngram:1", *SPEC_QUALIFY, "--", *CHATML)
-    assert r.returncode == 4, r.stderr
-    out = json.loads(r.stdout)
-    one = next(c for c in out["configs"] if c["config"]["parallel"] == 1)
-    _speculated(one)
-    cold = [v for v in one["verdicts"] if v["wave"] == 0 and v["draft_tokens"] > 0]
-    assert any(not v["identical_to_solo"] for v in cold), one["verdicts"]
+    _speculated(_stock_twin("--spec", "ngram:1", *SPEC_QUALIFY))
 
 
 def test_serve_spec_runs_the_vouched_speculation_and_says_so(spec_qualified):
@@ -520,13 +536,9 @@ def test_draft_model_speculation_is_identical_to_plain_solo_cold_runs(tiny_draft
     """A model-based drafter: the tiny model's f32 weights drafting for its MXFP4 weights (the same
     vocabulary; they disagree where quantization moves an argmax, so drafts are accepted and
     rejected), on DeepSeek-V4's checkpoint restores, at --parallel 1 and 4 with cache hits."""
-    r = run_dflash("qualify", "--serve", "--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY, "--", *CHATML)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["exact"] is True and out["system_fingerprint"].endswith(
-        "-spec-draft-" + file_sha256(tiny_drafters["f32"])[:16])
+    out = _spec_qualify("--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY)
+    assert out["system_fingerprint"].endswith("-spec-draft-" + file_sha256(tiny_drafters["f32"])[:16])
     for c in out["configs"]:
-        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
         _speculated(c)
 
 
@@ -535,12 +547,7 @@ def test_the_stock_twin_of_draft_model_speculation_differs(tiny_drafters):
     """Stock llama.cpp with the same drafter: cold first requests at --parallel 1 (prefilled as
     their solo cold runs are) differ from those runs. (Long job: CI's job keeps the n-gram twin,
     the same comparison.)"""
-    r = run_dflash("qualify", "--serve", "--lib", "stock", "--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY,
-                   "--", *CHATML)
-    assert r.returncode == 4, r.stderr
-    one = next(c for c in json.loads(r.stdout)["configs"] if c["config"]["parallel"] == 1)
-    _speculated(one)
-    assert any(not v["identical_to_solo"] for v in one["verdicts"] if v["wave"] == 0 and v["draft_tokens"] > 0)
+    _speculated(_stock_twin("--spec", f"draft:{tiny_drafters['f32']}", *SPEC_QUALIFY))
 
 
 def test_mtp_speculation_on_a_next_n_block_is_identical_to_plain_solo_cold_runs(tiny_drafters):
@@ -549,29 +556,28 @@ def test_mtp_speculation_on_a_next_n_block_is_identical_to_plain_solo_cold_runs(
     n_rs_seq positions. The block's weights are random, so it almost never agrees with the model
     (about 1 draft in 1,000 accepted): the test proves verification and rollback exact, not a good
     drafter."""
-    r = run_dflash("qualify", "--serve", "--model", tiny_drafters["mtp"], "--spec", "mtp", *SPEC_QUALIFY,
-                   "--", *CHATML)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["exact"] is True and out["system_fingerprint"].endswith("-spec-mtp")
+    out = _spec_qualify("--model", tiny_drafters["mtp"], "--spec", "mtp", *SPEC_QUALIFY)
+    assert out["system_fingerprint"].endswith("-spec-mtp")
     for c in out["configs"]:
-        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
         s = c["speculation"]
         assert s["draft_tokens"] > 0 and s["draft_rejected"] > 0, s
         print(f"--parallel {c['config']['parallel']} --spec mtp: {s['draft_accepted']} of {s['draft_tokens']} "
               f"drafted tokens accepted")
 
 
+@pytest.mark.long
+def test_the_stock_twin_of_mtp_speculation_differs(tiny_drafters):
+    """Stock llama.cpp drafting with the same next-n block. (Long job, as the draft twin.)"""
+    assert _stock_twin("--model", tiny_drafters["mtp"], "--spec", "mtp", *SPEC_QUALIFY)["speculation"][
+        "draft_tokens"] > 0
+
+
 def test_qualify_serve_real_gguf_with_ngram_speculation(gemma):
     """Gemma 3 270M, n-gram speculation with llama-server's default lookup of dflash serve (4 tokens),
     identical to plain solo cold runs at --parallel 1 and 4; the repeating prompt's drafts are accepted."""
-    r = run_dflash("qualify", "--serve", "--model", gemma, "--spec", "ngram", "--parallel", "4", "--max-tokens", "24",
-                   "--prefix-words", "120", "--ctx", "2048", *THREADS, "--json", "--", "--chat-template", "gemma")
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
-    assert out["exact"] is True
+    out = _spec_qualify("--model", gemma, "--spec", "ngram", "--parallel", "4", "--max-tokens", "24",
+                        "--prefix-words", "120", "--ctx", "2048", *THREADS, extra=["--chat-template", "gemma"])
     for c in out["configs"]:
-        assert c["responses"] == c["identical_to_solo"] == c["identical_to_prefill"] == 17
         _speculated(c)
         repeat = next(v for v in c["verdicts"] if v["call"] == "repeat")
         assert repeat["draft_accepted"] > 0

@@ -37,6 +37,23 @@ def test_ngram_draft_proposes_what_followed_the_last_ngram(tokens, n, m, draft):
     assert speculate.ngram_draft(tokens, n, m) == draft
 
 
+def test_the_incremental_index_drafts_what_a_backward_scan_finds():
+    """NgramIndex, built once and appended to token by token, against a scan from the end."""
+    def scan(tokens, n, m):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + m]
+        return []
+
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 4):
+        tokens = [int(t) for t in rng.integers(0, 3, 300)]
+        index = speculate.NgramIndex(tokens[:5], n)
+        for i in range(5, len(tokens)):
+            assert index.draft(6) == (scan(index.tokens, n, 6) if len(index.tokens) > n else []), (n, i)
+            index.append(tokens[i])
+
+
 @pytest.mark.parametrize("spec, n", [("ngram", speculate.NGRAM_N), ("ngram:1", 1), ("ngram:16", 16), ("none", None),
                                      ("mtp", None)])
 def test_ngram_size(spec, n):
@@ -147,15 +164,19 @@ def test_generate_with_ngram_speculation_equals_plain_on_gemma(gemma):
           f"({stats.acceptance_rate:.0%})")
 
 
-def test_prefill_spec_reports_identical_on_the_exact_library_and_catches_the_stock_one(gemma, tmp_path):
+@pytest.mark.parametrize("model, spec, text", [("tiny", "ngram:1", TINY_PROMPT), ("gemma", "ngram", CODE)])
+def test_prefill_spec_reports_identical_on_the_exact_library_and_catches_the_stock_one(model, spec, text, request,
+                                                                                       tmp_path):
     """The twin: stock llama.cpp computes a verification batch's rows with other bits than one
-    token at a time (here the tokens agree and the logits they were chosen from do not)."""
-    prompt = tmp_path / "code.txt"
-    prompt.write_text(CODE)
+    token at a time (on Gemma the tokens agree and the logits they were chosen from do not; on the
+    tiny DeepSeek-V4 model every rejection restores a saved state, on both libraries)."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(text)
+    given = [] if model == "tiny" else ["--model", request.getfixturevalue("gemma")]
     out = {}
     for lib in ("exact", "stock"):
-        r = run_dflash("prefill", "--model", gemma, "--lib", lib, "--prompt-file", prompt, "--n-predict", "48",
-                       "--spec", "ngram", "--threads", TEST_THREADS, "--json")
+        r = run_dflash("prefill", *given, "--lib", lib, "--prompt-file", prompt, "--n-predict", "48",
+                       "--spec", spec, "--threads", TEST_THREADS, "--json")
         assert r.returncode == (0 if lib == "exact" else 4), r.stderr
         out[lib] = json.loads(r.stdout)
         assert out[lib]["speculation"]["accepted"] > 0 and out[lib]["speculation"]["rejected"] > 0
@@ -164,6 +185,8 @@ def test_prefill_spec_reports_identical_on_the_exact_library_and_catches_the_sto
     assert exact["response_tokens_sha256"] == out["exact"]["response_tokens_sha256"]
     assert stock["identical_to_plain"] is False
     assert "differs from plain greedy decoding" in r.stderr
+    if model == "tiny":
+        assert exact["restores"] > 0 and stock["restores"] > 0
 
 
 def test_speculative_greedy_stops_where_plain_greedy_stops():

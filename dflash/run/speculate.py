@@ -52,16 +52,36 @@ def check_spec(spec: str) -> str:
     return spec
 
 
+class NgramIndex:
+    """The tokens so far and, for each n-gram among them, where it last started before the final
+    one: `draft` is a dictionary lookup and `append` one insertion, so a response costs time in
+    its own length, not in the context's length per token."""
+
+    def __init__(self, tokens: Sequence[int], n: int = NGRAM_N) -> None:
+        self.tokens: list[int] = []
+        self.n = n
+        self.last: dict[tuple[int, ...], int] = {}
+        for t in tokens:
+            self.append(t)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        start = len(self.tokens) - self.n - 1  # the n-gram that was final until this token came
+        if start >= 0:
+            self.last[tuple(self.tokens[start:start + self.n])] = start
+
+    def draft(self, m: int = NGRAM_M) -> list[int]:
+        """The up to m tokens that followed the most recent earlier occurrence of the last n
+        tokens ([] when they did not occur before)."""
+        if len(self.tokens) <= self.n or m < 1:
+            return []
+        start = self.last.get(tuple(self.tokens[-self.n:]))
+        return [] if start is None else self.tokens[start + self.n:start + self.n + m]
+
+
 def ngram_draft(tokens: Sequence[int], n: int = NGRAM_N, m: int = NGRAM_M) -> list[int]:
-    """The up to m tokens that followed the most recent earlier occurrence of the last n tokens of
-    `tokens` ([] when they did not occur before)."""
-    if len(tokens) <= n or m < 1:
-        return []
-    key = list(tokens[-n:])
-    for start in range(len(tokens) - n - 1, -1, -1):
-        if list(tokens[start:start + n]) == key:
-            return list(tokens[start + n:start + n + m])
-    return []
+    """NgramIndex(tokens, n).draft(m): the draft after `tokens`."""
+    return NgramIndex(tokens, n).draft(m)
 
 
 @dataclass
@@ -99,8 +119,8 @@ def greedy(ctx: Context, history: Sequence[int], last: np.ndarray | None, n_pred
     logits are `last`, up to n_predict (token, the logits it was chosen from) pairs, stopping at
     end-of-generation or the end of the context, the same pairs plain decoding yields."""
     stats = stats if stats is not None else SpecStats()
-    seen = list(history)
-    pos, produced = len(seen), 0
+    seen = NgramIndex(history, n)
+    pos, produced = len(seen.tokens), 0
     can_cut: bool | None = None  # whether the memory drops a suffix (learnt at the first rejection)
     while produced < n_predict and last is not None:
         tok = int(np.argmax(last))
@@ -112,7 +132,7 @@ def greedy(ctx: Context, history: Sequence[int], last: np.ndarray | None, n_pred
         if produced == n_predict or pos >= ctx.n_ctx:
             return
         room = min(n_predict - produced, ctx.n_ctx - pos - 1, ctx.max_band - 1)
-        draft = ngram_draft(seen, n, m)[:max(room, 0)]
+        draft = seen.draft(min(m, max(room, 0)))
         saved = ctx.save_state() if draft and not can_cut else None
         stage(f"verification of {len(draft)} drafted tokens at position {pos}")
         out = ctx.decode([tok, *draft], pos, logits="all")

@@ -482,10 +482,8 @@ def _cmp_step(name: str, i: Instr) -> Step:
         bits = lanes_to_bits(pred(a, b), w.mask())
         if x:
             w.s[decode.EXEC_LO] = bits
-        elif ins.fmt == "VOPC":
-            w.s[decode.VCC_LO] = bits
         else:
-            swrite(w, ins.ops["vdst"], bits)
+            _write_lane_mask(w, ins, "vdst", bits)
     return step
 
 
@@ -493,6 +491,15 @@ def _lane_select(w: Wave, i: Instr) -> int:
     """The lane mask an instruction takes as its third source: VCC in the 32-bit encoding (VOP2),
     src2 in the 64-bit one."""
     return w.s[decode.VCC_LO] if i.fmt == "VOP2" else sread(w, i.ops["src2"])
+
+
+def _write_lane_mask(w: Wave, i: Instr, dst: str, bits: int) -> None:
+    """A lane mask an instruction writes: to VCC in the 32-bit encodings (VOP2, VOPC), to the
+    SGPR operand `dst` in the 64-bit one."""
+    if i.fmt in ("VOP2", "VOPC"):
+        w.s[decode.VCC_LO] = bits
+    else:
+        swrite(w, i.ops[dst], bits)
 
 
 def _cndmask(w: Wave, i: Instr) -> None:
@@ -511,11 +518,7 @@ def _add_co(carry_in: bool) -> Step:
             t = t + bits_to_lanes(_lane_select(w, i)).astype(U64)
         mask = w.mask()
         vwrite(w, i.ops["vdst"], (t & U64(M32)).astype(U32), mask)
-        carry = lanes_to_bits(np.broadcast_to(t > U64(M32), (WAVE,)), mask)
-        if i.fmt == "VOP2":
-            w.s[decode.VCC_LO] = carry
-        else:
-            swrite(w, i.ops["sdst"], carry)
+        _write_lane_mask(w, i, "sdst", lanes_to_bits(np.broadcast_to(t > U64(M32), (WAVE,)), mask))
     return step
 
 
